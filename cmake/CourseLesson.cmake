@@ -1,0 +1,94 @@
+# course_add_lesson() and course_add_test(): how a lesson becomes libraries, test programs and
+# CTest entries (DESIGN.md §2, §5).
+
+set(CP_TEST_TIMEOUT 600 CACHE STRING "CTest TIMEOUT of each test entry, in seconds")
+
+# Registers the test program `exe` in CTest as <name>_local (in-process, world sizes
+# 1, 2, 3, 4, 8 on the local backend) and <name>_mpi<N> for each N in MPI_RANKS (under mpirun,
+# on the mpi backend). With a CUDA LibTorch the CUDA suites (names ending in "Cuda") get entries
+# of their own labelled `cuda`; without one they run inside the CPU entry and skip with the reason.
+function(course_register_tests exe name)
+  cmake_parse_arguments(ARG "" "" "LABELS;MPI_RANKS" ${ARGN})
+  set(env "GTEST_COLOR=no;OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;OMPI_MCA_rmaps_base_oversubscribe=1")
+  if(CP_TORCH_CUDA)
+    set(cpu_filter "--gtest_filter=-*Cuda.*")
+  else()
+    set(cpu_filter "")
+  endif()
+  add_test(NAME ${name}_local COMMAND ${exe} ${cpu_filter})
+  set_tests_properties(${name}_local PROPERTIES LABELS "${ARG_LABELS};local;cpu" TIMEOUT ${CP_TEST_TIMEOUT} ENVIRONMENT "${env}")
+  if(CP_TORCH_CUDA)
+    add_test(NAME ${name}_cuda_local COMMAND ${exe} "--gtest_filter=*Cuda.*")
+    set_tests_properties(${name}_cuda_local PROPERTIES LABELS "${ARG_LABELS};local;cuda" TIMEOUT ${CP_TEST_TIMEOUT} ENVIRONMENT "${env}")
+  endif()
+  if(CP_WITH_MPI)
+    foreach(np IN LISTS ARG_MPI_RANKS)
+      add_test(NAME ${name}_mpi${np}
+        COMMAND ${MPIEXEC_EXECUTABLE} ${MPIEXEC_NUMPROC_FLAG} ${np} ${MPIEXEC_PREFLAGS} $<TARGET_FILE:${exe}> ${cpu_filter})
+      set_tests_properties(${name}_mpi${np} PROPERTIES LABELS "${ARG_LABELS};mpi;cpu" TIMEOUT ${CP_TEST_TIMEOUT} ENVIRONMENT "${env}")
+    endforeach()
+  endif()
+endfunction()
+
+# A test program outside the lessons (the runtime's own tests).
+#   course_add_test(NAME runtime SOURCES tests/runtime_test.cpp MPI_RANKS 3 4)
+function(course_add_test)
+  cmake_parse_arguments(ARG "" "NAME" "SOURCES;MPI_RANKS" ${ARGN})
+  add_executable(${ARG_NAME}_test ${ARG_SOURCES})
+  target_link_libraries(${ARG_NAME}_test PRIVATE cp_testing)
+  course_register_tests(${ARG_NAME}_test ${ARG_NAME} LABELS "${ARG_NAME};solution" MPI_RANKS ${ARG_MPI_RANKS})
+endfunction()
+
+# One lesson: for each variant (learner = lessons/NN_slug, solution = solutions/NN_slug) a
+# library lessonNN_<variant>, a test program lessonNN_<variant>_test built from
+# tests/NN_slug_test.cpp, and, if lessons/NN_slug/demo.cpp exists, lessonNN_demo_<variant>.
+# The learner variant links the *solutions* of the earlier lessons (DESIGN.md §2).
+#   course_add_lesson(01 online_softmax MPI_RANKS 3 4)
+function(course_add_lesson nn slug)
+  cmake_parse_arguments(ARG "" "" "MPI_RANKS" ${ARGN})
+  set(folder ${nn}_${slug})
+  set(lesson_dir ${PROJECT_SOURCE_DIR}/lessons/${folder})
+  set(solution_dir ${PROJECT_SOURCE_DIR}/solutions/${folder})
+  # The learner sources are the files of the solution folder; the learner has the same names.
+  file(GLOB cpp_names RELATIVE ${solution_dir} CONFIGURE_DEPENDS ${solution_dir}/*.cpp)
+  file(GLOB cu_names RELATIVE ${solution_dir} CONFIGURE_DEPENDS ${solution_dir}/*.cu)
+
+  foreach(variant learner solution)
+    if(variant STREQUAL "learner")
+      set(src_dir ${lesson_dir})
+    else()
+      set(src_dir ${solution_dir})
+    endif()
+    set(lib lesson${nn}_${variant})
+    list(TRANSFORM cpp_names PREPEND ${src_dir}/ OUTPUT_VARIABLE cpp_sources)
+    list(TRANSFORM cu_names PREPEND ${src_dir}/ OUTPUT_VARIABLE cu_sources)
+    # Search order: this variant's own files, then earlier solutions, then contract headers.
+    set(include_dirs ${src_dir} ${CP_SOLUTION_INCLUDE_DIRS} ${CP_LESSON_INCLUDE_DIRS} ${lesson_dir})
+
+    add_library(${lib} STATIC ${cpp_sources})
+    target_include_directories(${lib} PUBLIC ${include_dirs})
+    target_link_libraries(${lib} PUBLIC cp_common ${CP_SOLUTION_LIBRARIES})
+    if(CP_WITH_CUDA AND cu_sources)
+      # Kernels never see torch: an object library with only the CUDA runtime and our headers.
+      add_library(${lib}_kernels OBJECT ${cu_sources})
+      target_include_directories(${lib}_kernels PRIVATE ${include_dirs} ${PROJECT_SOURCE_DIR})
+      target_link_libraries(${lib}_kernels PRIVATE CUDA::cudart)
+      target_compile_definitions(${lib}_kernels PRIVATE CP_WITH_CUDA=1)
+      target_sources(${lib} PRIVATE $<TARGET_OBJECTS:${lib}_kernels>)
+    endif()
+
+    add_executable(${lib}_test ${PROJECT_SOURCE_DIR}/tests/${folder}_test.cpp)
+    target_link_libraries(${lib}_test PRIVATE ${lib} cp_testing)
+    course_register_tests(${lib}_test ${lib} LABELS "lesson${nn};${variant}" MPI_RANKS ${ARG_MPI_RANKS})
+
+    if(EXISTS ${lesson_dir}/demo.cpp)
+      add_executable(lesson${nn}_demo_${variant} ${lesson_dir}/demo.cpp)
+      target_link_libraries(lesson${nn}_demo_${variant} PRIVATE ${lib})
+    endif()
+  endforeach()
+
+  # What the next lessons build on.
+  set(CP_SOLUTION_INCLUDE_DIRS ${CP_SOLUTION_INCLUDE_DIRS} ${solution_dir} PARENT_SCOPE)
+  set(CP_LESSON_INCLUDE_DIRS ${CP_LESSON_INCLUDE_DIRS} ${lesson_dir} PARENT_SCOPE)
+  set(CP_SOLUTION_LIBRARIES ${CP_SOLUTION_LIBRARIES} lesson${nn}_solution PARENT_SCOPE)
+endfunction()

@@ -1,0 +1,393 @@
+// The `local` backend: N ranks as threads of one process.
+//
+// Point-to-point operations are matched in the order they were posted, per (sender, receiver)
+// pair, like MPI. The thread that posts the second half of a pair performs the copy: a memcpy
+// for CPU tensors; for CUDA tensors an asynchronous copy on the receiver's copy stream, ordered
+// after both buffers are ready (events recorded on each rank's current stream) and waited on
+// by stream, not by the host, so compute and communication overlap on one GPU.
+//
+// A blocking send returns only when its receive has been matched (rendezvous), which is what
+// makes a naive ring deadlock. The watchdog turns that into cp::DeadlockError: when every live
+// rank is blocked on unmatched operations, nothing can ever change again.
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <thread>
+
+#include "common/error.h"
+#include "common/world.h"
+
+#if CP_TORCH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+
+#include "common/cuda_check.h"
+#include "common/device.h"
+#endif
+
+namespace cp {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+/// A point in a device stream (a CUDA event); empty for CPU tensors, which need no ordering.
+struct Fence {
+  std::shared_ptr<void> event;  // cudaEvent_t, destroyed with the last copy of the fence
+
+  /// Marks "everything enqueued so far on the current stream of t's device".
+  static Fence after_current_work(const torch::Tensor& t) {
+    if (!t.is_cuda()) return {};
+#if CP_TORCH_CUDA
+    c10::cuda::CUDAGuard guard(t.device());
+    cudaEvent_t event;
+    CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventRecord(event, current_cuda_stream()));
+    return {std::shared_ptr<void>(event, [](void* e) { cudaEventDestroy(static_cast<cudaEvent_t>(e)); })};
+#else
+    CP_FAIL("local backend: CUDA tensors need a build with CUDA and a CUDA LibTorch");
+#endif
+  }
+
+  /// Makes the caller's current stream wait for this fence (the host does not wait).
+  void order_current_stream(const torch::Tensor& t) const {
+#if CP_TORCH_CUDA
+    if (!event) return;
+    c10::cuda::CUDAGuard guard(t.device());
+    CUDA_CHECK(cudaStreamWaitEvent(current_cuda_stream(), static_cast<cudaEvent_t>(event.get()), 0));
+#else
+    (void)t;
+#endif
+  }
+};
+
+/// The stream that copies into one rank's buffers: a separate stream, so that incoming data
+/// moves while the rank's compute stream works.
+class CopyStream {
+ public:
+  CopyStream() = default;
+  CopyStream(const CopyStream&) = delete;
+  CopyStream& operator=(const CopyStream&) = delete;
+  ~CopyStream() {
+#if CP_TORCH_CUDA
+    if (stream_) cudaStreamDestroy(stream_);
+#endif
+  }
+
+  /// Copies src into dst (same byte size) after both fences; returns the copy's completion.
+  Fence copy(const torch::Tensor& dst, const torch::Tensor& src, const Fence& src_ready,
+             const Fence& dst_ready) {
+    const size_t bytes = src.numel() * src.element_size();
+    if (!dst.is_cuda()) {
+      if (bytes > 0) std::memcpy(dst.data_ptr(), src.data_ptr(), bytes);
+      return {};
+    }
+#if CP_TORCH_CUDA
+    c10::cuda::CUDAGuard guard(dst.device());
+    if (!stream_) CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    for (const Fence* f : {&src_ready, &dst_ready})
+      if (f->event) CUDA_CHECK(cudaStreamWaitEvent(stream_, static_cast<cudaEvent_t>(f->event.get()), 0));
+    CUDA_CHECK(cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), bytes, cudaMemcpyDefault, stream_));
+    cudaEvent_t done;
+    CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventRecord(done, stream_));
+    return {std::shared_ptr<void>(done, [](void* e) { cudaEventDestroy(static_cast<cudaEvent_t>(e)); })};
+#else
+    (void)src_ready, (void)dst_ready;
+    CP_FAIL("local backend: CUDA tensors need a build with CUDA and a CUDA LibTorch");
+#endif
+  }
+
+ private:
+#if CP_TORCH_CUDA
+  cudaStream_t stream_ = nullptr;
+#endif
+};
+
+/// One posted send or receive.
+struct PendingOp {
+  P2POp::Kind kind;
+  torch::Tensor tensor;  // contiguous
+  int owner;             // the rank that posted it
+  int peer;
+  Fence ready;           // the owner's buffer is ready (device tensors)
+  bool done = false;     // matched and copied (or failed)
+  Fence completed;       // the copy has finished on the device
+  std::string error;     // why the match failed, if it did
+
+  std::string edge() const {
+    return "rank " + std::to_string(owner) + (kind == P2POp::Kind::Send ? " send→" : " recv←") +
+           std::to_string(peer);
+  }
+};
+using OpPtr = std::shared_ptr<PendingOp>;
+
+std::string describe_tensor(const torch::Tensor& t) {
+  return detail::concat(t.numel(), " ", t.dtype(), " elements on ", t.device());
+}
+
+/// State shared by the ranks of one local world.
+class LocalWorld {
+ public:
+  LocalWorld(int size, LocalWorldOptions options)
+      : size_(size), options_(options), sends_(size * size), recvs_(size * size), ranks_(size) {}
+
+  int size() const { return size_; }
+
+  /// Queues an operation; if it completes a pair, copies the data (outside the lock).
+  void post(const OpPtr& op) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    throw_if_aborted();
+    const bool is_send = op->kind == P2POp::Kind::Send;
+    const int pair = is_send ? op->owner * size_ + op->peer : op->peer * size_ + op->owner;
+    (is_send ? sends_ : recvs_)[pair].push_back(op);
+    if (sends_[pair].empty() || recvs_[pair].empty()) return;
+    const OpPtr send = sends_[pair].front();
+    const OpPtr recv = recvs_[pair].front();
+    sends_[pair].pop_front();
+    recvs_[pair].pop_front();
+    CopyStream& stream = *ranks_[recv->owner].incoming;
+    lock.unlock();
+
+    std::string error;
+    Fence completed;
+    try {
+      error = mismatch(*send, *recv);
+      if (error.empty()) completed = stream.copy(recv->tensor, send->tensor, send->ready, recv->ready);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+
+    lock.lock();
+    for (const OpPtr& o : {send, recv}) {
+      o->done = true;
+      o->error = error;
+      o->completed = completed;
+    }
+    last_change_ = Clock::now();
+    changed_.notify_all();
+  }
+
+  /// Blocks `rank` until all `ops` are done; throws on abort, deadlock or a failed match.
+  void wait(int rank, const std::vector<OpPtr>& ops) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    RankState& me = ranks_[rank];
+    me.waiting_on = ops;
+    last_change_ = Clock::now();
+    const auto poll = std::max(std::chrono::milliseconds(1), options_.deadlock_timeout / 10);
+    while (true) {
+      if (aborted_) {
+        me.waiting_on.clear();
+        throw_if_aborted();
+      }
+      if (std::all_of(ops.begin(), ops.end(), [](const OpPtr& o) { return o->done; })) break;
+      if (every_live_rank_stuck() && Clock::now() - last_change_ >= options_.deadlock_timeout) {
+        aborted_ = true;
+        deadlocked_ = true;
+        abort_message_ = describe_deadlock();
+        changed_.notify_all();
+        continue;
+      }
+      changed_.wait_for(lock, poll);
+    }
+    me.waiting_on.clear();
+    last_change_ = Clock::now();
+    lock.unlock();
+    for (const OpPtr& o : ops) {
+      if (!o->error.empty()) throw Error(o->error);
+      o->completed.order_current_stream(o->tensor);
+    }
+  }
+
+  void finish(int rank) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ranks_[rank].finished = true;
+    last_change_ = Clock::now();
+    changed_.notify_all();
+  }
+
+  void abort(int rank, const std::string& what) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ranks_[rank].finished = true;
+    if (!aborted_) {
+      aborted_ = true;
+      abort_message_ = "released because rank " + std::to_string(rank) + " failed: " + what;
+    }
+    changed_.notify_all();
+  }
+
+ private:
+  struct RankState {
+    bool finished = false;
+    std::vector<OpPtr> waiting_on;  // non-empty while blocked in wait()
+    std::unique_ptr<CopyStream> incoming = std::make_unique<CopyStream>();
+  };
+
+  void throw_if_aborted() const {
+    if (!aborted_) return;
+    if (deadlocked_) throw DeadlockError(abort_message_);
+    throw WorldAborted(abort_message_);
+  }
+
+  static std::string mismatch(const PendingOp& send, const PendingOp& recv) {
+    if (send.tensor.numel() == recv.tensor.numel() && send.tensor.dtype() == recv.tensor.dtype() &&
+        send.tensor.is_cuda() == recv.tensor.is_cuda())
+      return "";
+    return detail::concat("send/recv mismatch: rank ", send.owner, " sends ", describe_tensor(send.tensor),
+                          " to rank ", recv.owner, ", which receives into ", describe_tensor(recv.tensor),
+                          " (element count, dtype and device kind must agree)");
+  }
+
+  static const PendingOp* first_unmatched(const RankState& r) {
+    for (const OpPtr& o : r.waiting_on)
+      if (!o->done) return o.get();
+    return nullptr;
+  }
+
+  bool every_live_rank_stuck() const {
+    bool any_stuck = false;
+    for (const RankState& r : ranks_) {
+      if (r.finished) continue;
+      if (!first_unmatched(r)) return false;  // running, or about to wake up
+      any_stuck = true;
+    }
+    return any_stuck;
+  }
+
+  /// "rank 0 send→1, rank 1 send→2, rank 2 send→0", found by following wait-for edges.
+  std::string describe_deadlock() const {
+    std::string blocked, finished;
+    int start = -1;
+    for (int r = 0; r < size_; ++r) {
+      if (ranks_[r].finished) {
+        finished += (finished.empty() ? "" : ", ") + std::to_string(r);
+      } else if (const PendingOp* op = first_unmatched(ranks_[r])) {
+        blocked += (blocked.empty() ? "" : ", ") + op->edge();
+        if (start < 0) start = r;
+      }
+    }
+    std::vector<int> path;
+    std::string cycle;
+    for (int r = start; r >= 0 && !ranks_[r].finished;) {
+      const auto seen = std::find(path.begin(), path.end(), r);
+      if (seen != path.end()) {
+        for (auto it = seen; it != path.end(); ++it)
+          cycle += (cycle.empty() ? "" : ", ") + first_unmatched(ranks_[*it])->edge();
+        break;
+      }
+      path.push_back(r);
+      r = first_unmatched(ranks_[r])->peer;
+    }
+    std::string message = detail::concat(
+        "deadlock: every live rank has been blocked in a point-to-point call for ",
+        options_.deadlock_timeout.count(), " ms and none can proceed. ");
+    if (!cycle.empty()) message += "Wait-for cycle: " + cycle + ". ";
+    message += "Blocked: " + blocked + ".";
+    if (!finished.empty()) message += " Ranks that already returned (nobody will answer for them): " + finished + ".";
+    return message;
+  }
+
+  const int size_;
+  const LocalWorldOptions options_;
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::vector<std::deque<OpPtr>> sends_, recvs_;  // indexed by sender * size + receiver
+  std::vector<RankState> ranks_;
+  bool aborted_ = false;
+  bool deadlocked_ = false;
+  std::string abort_message_;
+  Clock::time_point last_change_ = Clock::now();
+};
+
+class LocalBatch : public detail::PendingBatch {
+ public:
+  LocalBatch(std::shared_ptr<LocalWorld> world, int rank, std::vector<OpPtr> ops)
+      : world_(std::move(world)), rank_(rank), ops_(std::move(ops)) {}
+  void wait() override { world_->wait(rank_, ops_); }
+
+ private:
+  std::shared_ptr<LocalWorld> world_;
+  int rank_;
+  std::vector<OpPtr> ops_;
+};
+
+class LocalComm : public Comm {
+ public:
+  LocalComm(std::shared_ptr<LocalWorld> world, int rank) : world_(std::move(world)), rank_(rank) {}
+
+  int rank() const override { return rank_; }
+  int size() const override { return world_->size(); }
+  Backend backend() const override { return Backend::Local; }
+
+  void send(const torch::Tensor& tensor, int peer) override {
+    world_->wait(rank_, {post(P2POp::send(tensor, peer), "send")});
+  }
+  void recv(torch::Tensor& tensor, int peer) override {
+    world_->wait(rank_, {post(P2POp::recv(tensor, peer), "recv")});
+  }
+  Request start(const std::vector<P2POp>& ops) override {
+    std::vector<OpPtr> posted;
+    for (const P2POp& op : ops) posted.push_back(post(op, "start"));
+    return Request(std::make_unique<LocalBatch>(world_, rank_, std::move(posted)));
+  }
+
+ private:
+  OpPtr post(const P2POp& op, const char* what) {
+    check_peer(op.peer, what);
+    check_buffer(op.tensor, what);
+    auto pending = std::make_shared<PendingOp>(
+        PendingOp{op.kind, op.tensor, rank_, op.peer, Fence::after_current_work(op.tensor), false, {}, {}});
+    world_->post(pending);
+    return pending;
+  }
+
+  std::shared_ptr<LocalWorld> world_;
+  int rank_;
+};
+
+}  // namespace
+
+void run_local_world(int world_size, const std::function<void(Comm&)>& fn,
+                     const LocalWorldOptions& options) {
+  CP_CHECK(world_size >= 1, "run_local_world: world_size must be >= 1, got ", world_size);
+  auto world = std::make_shared<LocalWorld>(world_size, options);
+  std::vector<std::exception_ptr> errors(world_size);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world_size; ++r) {
+    threads.emplace_back([&, r] {
+      set_this_rank(r);
+      // N ranks share the machine's cores: one intra-op thread per rank avoids oversubscription.
+      torch::set_num_threads(1);
+      try {
+        LocalComm comm(world, r);
+        fn(comm);
+        world->finish(r);
+      } catch (const std::exception& e) {
+        errors[r] = std::current_exception();
+        world->abort(r, e.what());
+      } catch (...) {
+        errors[r] = std::current_exception();
+        world->abort(r, "unknown exception");
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  // Report the rank that failed first in rank order, preferring a real failure over the
+  // WorldAborted of the ranks it released.
+  std::exception_ptr chosen;
+  for (const std::exception_ptr& e : errors) {
+    if (!e) continue;
+    if (!chosen) chosen = e;
+    try {
+      std::rethrow_exception(e);
+    } catch (const WorldAborted&) {
+    } catch (...) {
+      std::rethrow_exception(e);
+    }
+  }
+  if (chosen) std::rethrow_exception(chosen);
+}
+
+}  // namespace cp

@@ -1,0 +1,23 @@
+// Argument checks shared by the public functions: each error names the argument, what was
+// expected and what came.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <string>
+
+#include "common/dtype.h"
+
+namespace cp {
+
+/// The kernel element type of a CUDA tensor; a cp::Error naming `arg` for other dtypes.
+DType kernel_dtype(const torch::Tensor& t, const char* arg);
+
+/// `arg` is defined and has at least `min_dim` dimensions.
+void check_defined(const torch::Tensor& t, const char* arg, int64_t min_dim = 0);
+
+/// The dtypes a function accepts, per device: CPU float32/float64, CUDA float32/float16/bfloat16
+/// (the course's kernels compute in float32 whatever the input).
+void check_float_dtype(const torch::Tensor& t, const char* arg);
+
+}  // namespace cp

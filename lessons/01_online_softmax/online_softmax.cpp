@@ -1,0 +1,116 @@
+// Lesson 01, tasks 2 and 3 — safe and online softmax on the CPU, and the dispatch to CUDA.
+#include "online_softmax.h"
+
+#include <cmath>
+
+#include "common/error.h"
+#include "common/tensor_checks.h"
+
+#if CP_WITH_CUDA
+#include "common/device.h"
+#include "online_softmax.cuh"
+#endif
+
+namespace cp {
+namespace {
+
+/// Task 2: softmax of one row in three passes: max, sum of exp(x - max), normalise.
+template <typename T>
+void safe_softmax_row(const T* x, T* y, int64_t n) {
+  // BEGIN YOUR CODE task 2: the three passes
+  // TODO(lesson 01, task 2): pass 1 finds the maximum m, pass 2 sums exp(x - m),
+  // pass 3 writes exp(x - m) / sum. A row of -inf only (m = -inf) gives zeros.
+  (void)x, (void)y, (void)n;
+  throw NotImplemented("lesson 01, task 2: safe softmax of one row");
+  // END YOUR CODE
+}
+
+/// Task 3: the (m, l) state of one row, in a single pass.
+template <typename T>
+SoftmaxState row_state(const T* x, int64_t n) {
+  // BEGIN YOUR CODE task 3: one pass over the row
+  // TODO(lesson 01, task 3): start from the empty state and add every value.
+  (void)x, (void)n;
+  throw NotImplemented("lesson 01, task 3: row_state (one pass over the row)");
+  // END YOUR CODE
+}
+
+/// Task 3: writes softmax(x) from the row's state.
+template <typename T>
+void normalise_row(const T* x, T* y, int64_t n, SoftmaxState state) {
+  // BEGIN YOUR CODE task 3: normalise with the state
+  // TODO(lesson 01, task 3): y = exp(x - m) / l; an empty state (l = 0) gives zeros.
+  (void)x, (void)y, (void)n, (void)state;
+  throw NotImplemented("lesson 01, task 3: normalise_row");
+  // END YOUR CODE
+}
+
+/// Applies row_fn(x_row, y_row, n) to every row of the last dimension.
+template <typename RowFn>
+torch::Tensor map_rows(const torch::Tensor& x_in, RowFn&& row_fn) {
+  const torch::Tensor x = x_in.contiguous();
+  torch::Tensor y = torch::empty_like(x);
+  const int64_t n = x.size(-1);
+  const int64_t rows = n == 0 ? 0 : x.numel() / n;
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "map_rows", [&] {
+    const scalar_t* px = x.data_ptr<scalar_t>();
+    scalar_t* py = y.data_ptr<scalar_t>();
+    for (int64_t r = 0; r < rows; ++r) row_fn(px + r * n, py + r * n, n);
+  });
+  return y;
+}
+
+void check_input(const torch::Tensor& x) {
+  check_defined(x, "x", 1);
+  check_float_dtype(x, "x");
+}
+
+/// The CUDA path (checks done by the caller): y = softmax(x) if want_y, else lse = logsumexp(x).
+torch::Tensor cuda_path(const torch::Tensor& x_in, bool want_y) {
+#if CP_WITH_CUDA
+  const torch::Tensor x = x_in.contiguous();
+  const int64_t n = x.size(-1);
+  const int64_t rows = n == 0 ? 0 : x.numel() / n;
+  torch::Tensor y = want_y ? torch::empty_like(x) : torch::Tensor();
+  torch::Tensor lse = want_y ? torch::Tensor()
+                             : torch::full(x.sizes().slice(0, x.dim() - 1), -INFINITY, x.options().dtype(torch::kFloat));
+  if (rows > 0)
+    launch_online_softmax(x.data_ptr(), want_y ? y.data_ptr() : nullptr, want_y ? nullptr : lse.data_ptr<float>(),
+                          rows, n, kernel_dtype(x, "x"), current_cuda_stream());
+  return want_y ? y : lse;
+#else
+  (void)want_y;
+  CP_FAIL("x is a CUDA tensor (", x_in.device(), ") but this build has no CUDA (nvcc was not found)");
+#endif
+}
+
+}  // namespace
+
+torch::Tensor safe_softmax(const torch::Tensor& x) {
+  check_input(x);
+  CP_CHECK(!x.is_cuda(), "x: safe_softmax is the CPU reference of task 2; got ", x.device(),
+           " (use online_softmax on CUDA)");
+  return map_rows(x, [](const auto* xr, auto* yr, int64_t n) { safe_softmax_row(xr, yr, n); });
+}
+
+torch::Tensor online_softmax(const torch::Tensor& x) {
+  check_input(x);
+  if (x.is_cuda()) return cuda_path(x, /*want_y=*/true);
+  return map_rows(x, [](const auto* xr, auto* yr, int64_t n) { normalise_row(xr, yr, n, row_state(xr, n)); });
+}
+
+torch::Tensor row_logsumexp(const torch::Tensor& x_in) {
+  check_input(x_in);
+  if (x_in.is_cuda()) return cuda_path(x_in, /*want_y=*/false);
+  const torch::Tensor x = x_in.contiguous();
+  const int64_t n = x.size(-1);
+  torch::Tensor lse = torch::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(torch::kFloat));
+  float* out = lse.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "row_logsumexp", [&] {
+    const scalar_t* px = x.data_ptr<scalar_t>();
+    for (int64_t r = 0; r < lse.numel(); ++r) out[r] = row_state(px + r * n, n).logsumexp();
+  });
+  return lse;
+}
+
+}  // namespace cp

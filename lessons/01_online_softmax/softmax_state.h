@@ -1,0 +1,49 @@
+// Lesson 01, task 1 — the online softmax state (m, l): adding a value, merging two states.
+//
+// Compiled by both the C++ compiler and nvcc: everything here is CP_HOST_DEVICE so that the
+// CPU loop, the CUDA kernel and later lessons use the very same arithmetic.
+#pragma once
+
+#include <cmath>
+
+#include "common/host_device.h"
+
+namespace cp {
+
+/// Summary of a set of values x_i: m = max_i x_i and l = sum_i exp(x_i - m), so that
+/// softmax(x)_i = exp(x_i - m) / l and logsumexp(x) = m + log(l).
+/// The empty set, and a set of -inf values only, is {m = -inf, l = 0}.
+struct SoftmaxState {
+  float m;  ///< running maximum
+  float l;  ///< running sum of exp(x_i - m)
+
+  /// The state of the empty set: the identity of merge().
+  CP_HOST_DEVICE static SoftmaxState empty() { return {-INFINITY, 0.0f}; }
+
+  /// Adds one value: the online update, one exp per value.
+  CP_HOST_DEVICE void add(float x) {
+    // BEGIN YOUR CODE task 1: add one value
+    // TODO(lesson 01, task 1): if x is a new maximum, rescale l to it (the correction
+    // factor exp(m_old - m_new)) before adding exp(x - m_new) = 1; else add exp(x - m).
+    // -inf contributes nothing, and must not produce exp(-inf - (-inf)) = NaN.
+    CP_NOT_IMPLEMENTED_HD("lesson 01, task 1: SoftmaxState::add");
+    // END YOUR CODE
+  }
+
+  /// log(sum exp(x_i)); -inf for the empty state.
+  CP_HOST_DEVICE float logsumexp() const { return l > 0.0f ? m + logf(l) : -INFINITY; }
+};
+
+/// The state of the union of two disjoint sets. Associative and commutative, with identity
+/// SoftmaxState::empty(): sets can be summarised in any order and combined in any tree (a loop,
+/// a warp, a ring of GPUs).
+CP_HOST_DEVICE inline SoftmaxState merge(SoftmaxState a, SoftmaxState b) {
+  // BEGIN YOUR CODE task 1: merge two states
+  // TODO(lesson 01, task 1): take the larger maximum, rescale both sums to it, add them.
+  // Both states may be empty (m = -inf): never evaluate exp(-inf - (-inf)).
+  CP_NOT_IMPLEMENTED_HD("lesson 01, task 1: merge(SoftmaxState, SoftmaxState)");
+  return SoftmaxState::empty();
+  // END YOUR CODE
+}
+
+}  // namespace cp

@@ -1,0 +1,78 @@
+// Lesson 01, task 4 — the online softmax kernel: one warp per row.
+//
+// Each lane walks the row with stride 32 (neighbouring lanes read neighbouring elements, so
+// every load instruction of the warp is coalesced) and keeps its own (m, l) state. The 32
+// states are merged with a butterfly of shuffles: after log2(32) = 5 steps every lane holds the
+// state of the whole row. The statistics therefore cost one read of the row; the output pass
+// reads it once more (from L2 for rows that fit) and writes y.
+#include "common/cuda_check.h"
+#include "kernels/dtype.cuh"
+#include "kernels/warp.cuh"
+#include "online_softmax.cuh"
+#include "softmax_state.h"
+
+namespace cp {
+namespace {
+
+using kernels::kFullWarp;
+using kernels::kWarpSize;
+
+constexpr int kWarpsPerBlock = 4;  // 128 threads: small blocks keep many rows in flight
+
+template <typename T>
+__global__ void online_softmax_kernel(const T* __restrict__ x,  // [rows, n]
+                                      T* __restrict__ y,        // [rows, n] or nullptr
+                                      float* __restrict__ lse,  // [rows] or nullptr
+                                      int64_t rows, int64_t n) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  if (row >= rows) return;  // the whole warp leaves together, so the shuffles below stay full
+  const T* x_row = x + row * n;
+
+  // BEGIN SOLUTION task 4: per-lane state, warp merge, normalise
+  // STUB: // TODO(lesson 01, task 4): (a) each lane adds x_row[lane], x_row[lane + 32], ... to its
+  // STUB: // own SoftmaxState; (b) merge the 32 states with __shfl_xor_sync (offsets 16, 8, 4, 2, 1:
+  // STUB: // shuffle m and l, then merge()); (c) lane 0 writes lse[row] if lse is not null, and the
+  // STUB: // lanes write y[j] = exp(x[j] - m) / l (0 for an empty state) if y is not null.
+  // STUB: (void)x_row, (void)lane, (void)y, (void)lse;
+  SoftmaxState state = SoftmaxState::empty();
+  for (int64_t j = lane; j < n; j += kWarpSize) state.add(kernels::to_float(x_row[j]));
+
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    const SoftmaxState other{__shfl_xor_sync(kFullWarp, state.m, offset),
+                             __shfl_xor_sync(kFullWarp, state.l, offset)};
+    state = merge(state, other);
+  }
+
+  if (lse != nullptr && lane == 0) lse[row] = state.logsumexp();
+  if (y != nullptr) {
+    T* y_row = y + row * n;
+    const float inv_l = 1.0f / state.l;  // unused for an empty row, which gives zeros, not NaN
+    for (int64_t j = lane; j < n; j += kWarpSize)
+      y_row[j] = kernels::from_float<T>(state.l > 0.0f ? expf(kernels::to_float(x_row[j]) - state.m) * inv_l : 0.0f);
+  }
+  // END SOLUTION
+}
+
+}  // namespace
+
+void launch_online_softmax(const void* x, void* y, float* lse, int64_t rows, int64_t n, DType dtype,
+                           cudaStream_t stream) {
+  const int64_t blocks = (rows + kWarpsPerBlock - 1) / kWarpsPerBlock;  // one warp per row
+  CP_CHECK(blocks <= INT32_MAX, "x: too many rows for one launch (", rows, ")");
+  // BEGIN SOLUTION task 4: launch the kernel
+  // STUB: // TODO(lesson 01, task 4): launch online_softmax_kernel<T> with `blocks` blocks of
+  // STUB: // kWarpsPerBlock warps on `stream`, T picked by kernels::dispatch_dtype(dtype, ...);
+  // STUB: // then check the launch with CUDA_CHECK_LAUNCH().
+  // STUB: (void)x, (void)y, (void)lse, (void)n, (void)dtype, (void)stream;
+  // STUB: throw NotImplemented("lesson 01, task 4: launch_online_softmax");
+  kernels::dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    online_softmax_kernel<T><<<static_cast<unsigned>(blocks), kWarpsPerBlock * kWarpSize, 0, stream>>>(
+        static_cast<const T*>(x), static_cast<T*>(y), lse, rows, n);
+  });
+  CUDA_CHECK_LAUNCH();
+  // END SOLUTION
+}
+
+}  // namespace cp

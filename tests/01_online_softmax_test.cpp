@@ -1,0 +1,220 @@
+// Lesson 01 — online softmax. Shared by the learner and the solution builds; the test names
+// carry the task numbers of the lesson README.
+#include <torch/torch.h>
+
+#include <random>
+
+#include "common/error.h"
+#include "online_softmax.h"
+#include "testing/harness.h"
+#include "testing/oracle.h"
+
+namespace cp {
+namespace {
+
+using testing::all_close;
+using testing::oracle_logsumexp;
+using testing::oracle_softmax;
+using testing::random_with_outliers;
+
+/// Row lengths around the warp size and its multiples, never only multiples of 32.
+const std::vector<int64_t> kLengths = {1, 2, 31, 33, 100, 257, 1000, 4097};
+
+/// The state of a set computed directly from its definition, in double.
+SoftmaxState direct_state(const std::vector<float>& xs) {
+  double m = -INFINITY;
+  for (float x : xs) m = std::max(m, static_cast<double>(x));
+  if (m == -INFINITY) return SoftmaxState::empty();
+  double l = 0;
+  for (float x : xs) l += std::exp(x - m);
+  return {static_cast<float>(m), static_cast<float>(l)};
+}
+
+SoftmaxState state_by_adding(const std::vector<float>& xs, size_t begin, size_t end) {
+  SoftmaxState s = SoftmaxState::empty();
+  for (size_t i = begin; i < end; ++i) s.add(xs[i]);
+  return s;
+}
+
+void expect_same_state(SoftmaxState actual, SoftmaxState expected, const std::string& what) {
+  EXPECT_EQ(actual.m, expected.m) << what;  // the max is exact: no arithmetic involved
+  if (expected.l == 0.0f) {
+    EXPECT_EQ(actual.l, 0.0f) << what;
+  } else {
+    EXPECT_NEAR(actual.l, expected.l, 1e-5 * expected.l) << what << " (m = " << expected.m << ")";
+  }
+}
+
+std::vector<float> random_values(size_t n, uint32_t seed) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> normal(0.0f, 4.0f);
+  std::vector<float> xs(n);
+  for (float& x : xs) x = normal(gen);
+  if (n > 3) xs[n / 3] = 60.0f;  // a late, large maximum forces rescaling
+  return xs;
+}
+
+// ── Task 1: the state ────────────────────────────────────────────────────────────────────────
+
+CP_TEST(Lesson01, Task1_AddingValuesGivesTheDirectState) {
+  for (size_t n : {1, 2, 5, 64, 1000}) {
+    const std::vector<float> xs = random_values(n, 11 + n);
+    expect_same_state(state_by_adding(xs, 0, n), direct_state(xs), "n = " + std::to_string(n));
+  }
+}
+
+CP_TEST(Lesson01, Task1_MergeOfTwoHalvesGivesTheWholeState) {
+  const std::vector<float> xs = random_values(300, 5);
+  for (size_t split : {0, 1, 100, 299, 300}) {
+    const SoftmaxState merged = merge(state_by_adding(xs, 0, split), state_by_adding(xs, split, xs.size()));
+    expect_same_state(merged, direct_state(xs), "split at " + std::to_string(split));
+  }
+}
+
+CP_TEST(Lesson01, Task1_MergeIsAssociativeOverRandomSplits) {
+  // Cut the values into random pieces and merge the pieces' states in a random tree: every
+  // order must give the state of the whole (up to float rounding of l).
+  const std::vector<float> xs = random_values(500, 7);
+  std::mt19937 gen(1234);
+  for (int trial = 0; trial < 20; ++trial) {
+    std::vector<size_t> cuts = {0, xs.size()};
+    for (int c = 0; c < 6; ++c) cuts.push_back(std::uniform_int_distribution<size_t>(0, xs.size())(gen));
+    std::sort(cuts.begin(), cuts.end());
+    std::vector<SoftmaxState> pieces;
+    for (size_t i = 0; i + 1 < cuts.size(); ++i) pieces.push_back(state_by_adding(xs, cuts[i], cuts[i + 1]));
+    while (pieces.size() > 1) {  // merge two random neighbours until one state is left
+      const size_t i = std::uniform_int_distribution<size_t>(0, pieces.size() - 2)(gen);
+      pieces[i] = merge(pieces[i], pieces[i + 1]);
+      pieces.erase(pieces.begin() + i + 1);
+    }
+    expect_same_state(pieces[0], direct_state(xs), "trial " + std::to_string(trial));
+  }
+}
+
+CP_TEST(Lesson01, Task1_EmptyAndMinusInfinityStatesMergeWithoutNan) {
+  const SoftmaxState empty = SoftmaxState::empty();
+  SoftmaxState only_minus_inf = SoftmaxState::empty();
+  only_minus_inf.add(-INFINITY);
+  expect_same_state(only_minus_inf, empty, "adding -inf");
+  expect_same_state(merge(empty, empty), empty, "empty + empty");
+  SoftmaxState three = SoftmaxState::empty();
+  three.add(3.0f);
+  expect_same_state(merge(empty, three), three, "empty + {3}");
+  expect_same_state(merge(three, empty), three, "{3} + empty");
+  EXPECT_EQ(merge(empty, empty).logsumexp(), -INFINITY);
+  EXPECT_FALSE(std::isnan(merge(empty, empty).l));
+}
+
+// ── Task 2: safe softmax on the CPU ───────────────────────────────────────────────────────────
+
+CP_TEST(Lesson01, Task2_SafeSoftmaxMatchesTorch) {
+  for (int64_t n : kLengths) {
+    const torch::Tensor x = random_with_outliers({3, n}, 100 + n);
+    for (auto dtype : {torch::kFloat, torch::kDouble})
+      EXPECT_TRUE(all_close(safe_softmax(x.to(dtype)), oracle_softmax(x), "safe_softmax n=" + std::to_string(n)));
+  }
+}
+
+CP_TEST(Lesson01, Task2_SafeSoftmaxOfAnAllMinusInfRowIsZero) {
+  const torch::Tensor x = torch::tensor({{-INFINITY, -INFINITY, -INFINITY}, {0.0f, -INFINITY, 1.0f}});
+  EXPECT_TRUE(all_close(safe_softmax(x), oracle_softmax(x), "safe_softmax with -inf rows"));
+}
+
+// ── Task 3: online softmax and logsumexp on the CPU ───────────────────────────────────────────
+
+CP_TEST(Lesson01, Task3_OnlineSoftmaxMatchesTorch) {
+  for (int64_t n : kLengths) {
+    const torch::Tensor x = random_with_outliers({2, 3, n}, 200 + n);
+    for (auto dtype : {torch::kFloat, torch::kDouble})
+      EXPECT_TRUE(all_close(online_softmax(x.to(dtype)), oracle_softmax(x), "online_softmax n=" + std::to_string(n),
+                            {"i", "j", "col"}));
+  }
+}
+
+CP_TEST(Lesson01, Task3_RowLogsumexpMatchesTorch) {
+  for (int64_t n : kLengths) {
+    const torch::Tensor x = random_with_outliers({4, n}, 300 + n);
+    const torch::Tensor lse = row_logsumexp(x);
+    EXPECT_EQ(lse.scalar_type(), torch::kFloat);
+    EXPECT_TRUE(all_close(lse, oracle_logsumexp(x), "row_logsumexp n=" + std::to_string(n)));
+  }
+}
+
+CP_TEST(Lesson01, Task3_HugeValuesAndMinusInfEntries) {
+  // ±1e4 overflow a naive exp; -inf entries are masked-out columns.
+  torch::Tensor x = random_with_outliers({5, 97}, 9, 3.0, 1e4);
+  x.index_put_({torch::indexing::Slice(), torch::indexing::Slice(0, 97, 3)}, -INFINITY);
+  EXPECT_TRUE(all_close(online_softmax(x), oracle_softmax(x), "online_softmax"));
+  EXPECT_TRUE(all_close(row_logsumexp(x), oracle_logsumexp(x), "row_logsumexp"));
+}
+
+CP_TEST(Lesson01, Task3_AllMinusInfRowGivesZerosAndMinusInfNeverNan) {
+  torch::Tensor x = random_with_outliers({3, 40}, 4);
+  x[1].fill_(-INFINITY);
+  const torch::Tensor y = online_softmax(x);
+  EXPECT_FALSE(y.isnan().any().item<bool>());
+  EXPECT_TRUE(all_close(y, oracle_softmax(x), "online_softmax"));
+  EXPECT_EQ(row_logsumexp(x)[1].item<float>(), -INFINITY);
+}
+
+CP_TEST(Lesson01, Task3_LeadingDimsAndNonContiguousInput) {
+  const torch::Tensor base = random_with_outliers({6, 5, 33}, 77);
+  const torch::Tensor x = base.transpose(0, 1);  // [5, 6, 33], not contiguous
+  EXPECT_TRUE(all_close(online_softmax(x), oracle_softmax(x), "online_softmax of a transposed tensor"));
+  EXPECT_TRUE(all_close(row_logsumexp(x), oracle_logsumexp(x), "row_logsumexp of a transposed tensor"));
+}
+
+CP_TEST(Lesson01, Task3_BadInputGivesClearErrors) {
+  auto expect_error = [](const std::function<void()>& fn, const std::string& needle) {
+    try {
+      fn();
+      ADD_FAILURE() << "expected a cp::Error mentioning '" << needle << "'";
+    } catch (const NotImplemented&) {
+      throw;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  expect_error([] { online_softmax(torch::tensor(1.0f)); }, "x: expected at least 1 dimension");
+  expect_error([] { online_softmax(torch::zeros({2, 3}, torch::kHalf)); }, "x: the CPU path takes float32 or float64");
+  expect_error([] { row_logsumexp(torch::zeros({2, 3}, torch::kInt)); }, "x: the CPU path takes float32 or float64");
+  expect_error([] { online_softmax(torch::Tensor()); }, "x: tensor is undefined");
+}
+
+// ── Task 4: the CUDA kernel ───────────────────────────────────────────────────────────────────
+
+CP_TEST(Lesson01Cuda, Task4_OnlineSoftmaxMatchesTorchForEveryDtype) {
+  CP_REQUIRE_GPU();
+  for (auto dtype : {torch::kFloat, torch::kHalf, torch::kBFloat16}) {
+    for (int64_t n : kLengths) {
+      // fp16 cannot hold 1e4 outliers' exponent range safely: keep values within its range.
+      const torch::Tensor x = random_with_outliers({3, n}, 400 + n, 3.0, 1e3).to(dtype);
+      const torch::Tensor y = online_softmax(x.cuda());
+      EXPECT_EQ(y.scalar_type(), dtype);
+      EXPECT_TRUE(all_close(y, oracle_softmax(x), "online_softmax cuda n=" + std::to_string(n)));
+    }
+  }
+}
+
+CP_TEST(Lesson01Cuda, Task4_RowLogsumexpMatchesTorchForEveryDtype) {
+  CP_REQUIRE_GPU();
+  for (auto dtype : {torch::kFloat, torch::kHalf, torch::kBFloat16}) {
+    const torch::Tensor x = random_with_outliers({7, 1000}, 500, 3.0, 1e3).to(dtype);
+    // The result is float32 computed from the dtype's values: compare at float32 tolerance.
+    EXPECT_TRUE(all_close(row_logsumexp(x.cuda()), oracle_logsumexp(x), "row_logsumexp cuda"));
+  }
+}
+
+CP_TEST(Lesson01Cuda, Task4_MinusInfRowsAndManyRows) {
+  CP_REQUIRE_GPU();
+  torch::Tensor x = random_with_outliers({1000, 65}, 600);
+  x[17].fill_(-INFINITY);
+  x.index_put_({torch::indexing::Slice(), 3}, -INFINITY);
+  const torch::Tensor y = online_softmax(x.cuda());
+  EXPECT_FALSE(y.isnan().any().item<bool>());
+  EXPECT_TRUE(all_close(y, oracle_softmax(x), "online_softmax cuda"));
+  EXPECT_TRUE(all_close(row_logsumexp(x.cuda()), oracle_logsumexp(x), "row_logsumexp cuda"));
+}
+
+}  // namespace
+}  // namespace cp

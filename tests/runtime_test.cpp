@@ -1,0 +1,283 @@
+// Tests of the course runtime itself: every P2P pattern and collective of cp::Comm against
+// expected values (local worlds of 1, 2, 3, 4, 8 ranks, or the mpirun world), the deadlock
+// watchdog, failure propagation, bad arguments, and the test oracle's own comparison.
+#include <torch/torch.h>
+
+#include <thread>
+
+#include "common/error.h"
+#include "common/world.h"
+#include "testing/harness.h"
+#include "testing/oracle.h"
+
+namespace cp {
+namespace {
+
+using testing::for_each_world;
+
+/// A tensor that says who made it: value = 100 * rank + index.
+torch::Tensor rank_tensor(int rank, int64_t n, torch::ScalarType dtype = torch::kFloat) {
+  return (torch::arange(n, torch::kDouble) + 100.0 * rank).to(dtype);
+}
+
+void expect_equal(const torch::Tensor& actual, const torch::Tensor& expected, const std::string& what) {
+  EXPECT_TRUE(torch::equal(actual, expected)) << what << ": got " << actual << "\nexpected " << expected;
+}
+
+const std::vector<torch::ScalarType> kP2PDtypes = {torch::kFloat, torch::kDouble, torch::kHalf, torch::kLong};
+
+CP_TEST(Runtime, BatchedRingShiftDeliversThePreviousRanksTensor) {
+  for_each_world([](Comm& comm) {
+    const int next = (comm.rank() + 1) % comm.size(), prev = (comm.rank() + comm.size() - 1) % comm.size();
+    for (auto dtype : kP2PDtypes) {
+      torch::Tensor incoming = torch::empty({5}, dtype);
+      comm.start({P2POp::send(rank_tensor(comm.rank(), 5, dtype), next), P2POp::recv(incoming, prev)}).wait();
+      expect_equal(incoming, rank_tensor(prev, 5, dtype), "ring shift");
+    }
+  });
+}
+
+CP_TEST(Runtime, SendRecvShiftsBothDirections) {
+  for_each_world([](Comm& comm) {
+    const int n = comm.size(), r = comm.rank();
+    for (int shift : {1, n - 1, 2 % n}) {
+      torch::Tensor incoming = torch::empty({3, 2});
+      comm.sendrecv(rank_tensor(r, 6).view({3, 2}), (r + shift) % n, incoming, (r - shift + n) % n);
+      expect_equal(incoming, rank_tensor((r - shift + n) % n, 6).view({3, 2}), "sendrecv");
+    }
+  });
+}
+
+CP_TEST(Runtime, BlockingSendRecvInPairs) {
+  // Even ranks send to the odd rank above them, which answers: blocking calls in a safe order.
+  for_each_world([](Comm& comm) {
+    const int r = comm.rank();
+    if (r % 2 == 0 && r + 1 < comm.size()) {
+      comm.send(rank_tensor(r, 4), r + 1);
+      torch::Tensor answer = torch::empty({4});
+      comm.recv(answer, r + 1);
+      expect_equal(answer, rank_tensor(r + 1, 4), "answer");
+    } else if (r % 2 == 1) {
+      torch::Tensor question = torch::empty({4});
+      comm.recv(question, r - 1);
+      expect_equal(question, rank_tensor(r - 1, 4), "question");
+      comm.send(rank_tensor(r, 4), r - 1);
+    }
+  });
+}
+
+CP_TEST(Runtime, MessagesBetweenTwoRanksArriveInOrder) {
+  for_each_world([](Comm& comm) {
+    if (comm.size() < 2 || comm.rank() > 1) return;
+    const int peer = 1 - comm.rank();
+    std::vector<torch::Tensor> inbox;
+    std::vector<P2POp> ops;
+    for (int i = 0; i < 4; ++i) {
+      inbox.push_back(torch::empty({2}));
+      ops.push_back(P2POp::send(torch::full({2}, 10.0 * comm.rank() + i), peer));
+      ops.push_back(P2POp::recv(inbox.back(), peer));
+    }
+    comm.start(ops).wait();
+    for (int i = 0; i < 4; ++i) expect_equal(inbox[i], torch::full({2}, 10.0 * peer + i), "message " + std::to_string(i));
+  });
+}
+
+CP_TEST(Runtime, AllGatherConcatenatesInRankOrder) {
+  for_each_world([](Comm& comm) {
+    const torch::Tensor gathered = comm.all_gather(rank_tensor(comm.rank(), 6).view({2, 3}));
+    std::vector<torch::Tensor> expected;
+    for (int r = 0; r < comm.size(); ++r) expected.push_back(rank_tensor(r, 6).view({2, 3}));
+    expect_equal(gathered, torch::cat(expected, 0), "all_gather");
+  });
+}
+
+CP_TEST(Runtime, ReduceScatterSumsAndSplits) {
+  for_each_world([](Comm& comm) {
+    const int n = comm.size();
+    const torch::Tensor mine = rank_tensor(comm.rank(), 2 * n * 3).view({2 * n, 3});
+    torch::Tensor total = torch::zeros({2 * n, 3});
+    for (int r = 0; r < n; ++r) total += rank_tensor(r, 2 * n * 3).view({2 * n, 3});
+    expect_equal(comm.reduce_scatter(mine), total.chunk(n, 0)[comm.rank()], "reduce_scatter");
+  });
+}
+
+CP_TEST(Runtime, AllReduceSumAndMax) {
+  for_each_world([](Comm& comm) {
+    const int n = comm.size();
+    for (auto dtype : {torch::kFloat, torch::kDouble, torch::kLong}) {
+      torch::Tensor sum = rank_tensor(comm.rank(), 7, dtype);
+      comm.all_reduce(sum, ReduceOp::Sum);
+      torch::Tensor expected = torch::zeros({7}, dtype);
+      for (int r = 0; r < n; ++r) expected += rank_tensor(r, 7, dtype);
+      expect_equal(sum, expected, "all_reduce sum");
+
+      // The maximum comes from a different rank for different elements.
+      torch::Tensor mx = torch::arange(7, dtype).remainder(n).eq(comm.rank()).to(dtype) * (comm.rank() + 1);
+      comm.all_reduce(mx, ReduceOp::Max);
+      expect_equal(mx, torch::arange(7, dtype).remainder(n) + 1, "all_reduce max");
+    }
+  });
+}
+
+CP_TEST(Runtime, BroadcastFromEveryRoot) {
+  for_each_world([](Comm& comm) {
+    for (int root = 0; root < comm.size(); ++root) {
+      torch::Tensor t = comm.rank() == root ? rank_tensor(root, 4) : torch::zeros({4});
+      comm.broadcast(t, root);
+      expect_equal(t, rank_tensor(root, 4), "broadcast from " + std::to_string(root));
+    }
+  });
+}
+
+CP_TEST(Runtime, BarrierWaitsForEveryRank) {
+  for_each_world([](Comm& comm) {
+    // Each rank announces its arrival before the barrier; after it, every announcement is in.
+    torch::Tensor arrived = torch::zeros({comm.size()}, torch::kInt32);
+    arrived[comm.rank()] = 1;
+    comm.barrier();
+    comm.all_reduce(arrived, ReduceOp::Sum);
+    EXPECT_EQ(arrived.sum().item<int>(), comm.size());
+  });
+}
+
+CP_TEST(Runtime, BadArgumentsGiveClearErrors) {
+  for_each_world([](Comm& comm) {
+    torch::Tensor t = torch::zeros({4});
+    auto throws_with = [](const std::function<void()>& fn, const std::string& needle) {
+      try {
+        fn();
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+        return;
+      }
+      ADD_FAILURE() << "expected a cp::Error mentioning '" << needle << "'";
+    };
+    throws_with([&] { comm.send(t, comm.size()); }, "peer must be in [0, " + std::to_string(comm.size()) + ")");
+    throws_with([&] { comm.start({P2POp::recv(t, -1)}); }, "peer must be in");
+    throws_with([&] { comm.send(torch::zeros({4, 4}).t(), 0); }, "must be contiguous");
+    if (comm.size() > 1)
+      throws_with([&] { comm.reduce_scatter(torch::zeros({comm.size() + 1})); }, "divisible by the world size");
+    throws_with([&] { comm.broadcast(t, -2); }, "root");
+  });
+}
+
+// ── local backend: mismatches, the watchdog, failure propagation ───────────────────────────────
+
+CP_TEST(LocalBackend, MismatchedSendAndReceiveAreReportedOnBothSides) {
+  for (auto [recv_numel, recv_dtype] : {std::pair{3, torch::kFloat}, std::pair{4, torch::kDouble}}) {
+    try {
+      run_local_world(2, [&](Comm& comm) {
+        if (comm.rank() == 0) {
+          comm.send(torch::zeros({4}), 1);
+        } else {
+          torch::Tensor t = torch::zeros({recv_numel}, recv_dtype);
+          comm.recv(t, 0);
+        }
+      });
+      ADD_FAILURE() << "a mismatched send/recv must throw";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("send/recv mismatch: rank 0 sends 4 float elements"), std::string::npos)
+          << e.what();
+    }
+  }
+}
+
+CP_TEST(LocalBackend, WatchdogNamesTheCycleOfANaiveBlockingRing) {
+  for (int n : {2, 3, 5}) {
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      run_local_world(
+          n,
+          [](Comm& comm) {
+            // Every rank sends first: with rendezvous sends nobody ever reaches its receive.
+            comm.send(torch::ones({8}), (comm.rank() + 1) % comm.size());
+            torch::Tensor t = torch::empty({8});
+            comm.recv(t, (comm.rank() + comm.size() - 1) % comm.size());
+          },
+          {std::chrono::milliseconds(200)});
+      ADD_FAILURE() << "a naive blocking ring of " << n << " ranks must deadlock";
+    } catch (const DeadlockError& e) {
+      const std::string what = e.what();
+      for (int r = 0; r < n; ++r) {
+        const std::string edge = "rank " + std::to_string(r) + " send→" + std::to_string((r + 1) % n);
+        EXPECT_NE(what.find(edge), std::string::npos) << "missing '" << edge << "' in: " << what;
+      }
+      EXPECT_NE(what.find("Wait-for cycle"), std::string::npos) << what;
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  }
+}
+
+CP_TEST(LocalBackend, WaitingForARankThatReturnedIsADeadlock) {
+  try {
+    run_local_world(
+        2,
+        [](Comm& comm) {
+          if (comm.rank() == 1) return;
+          torch::Tensor t = torch::empty({1});
+          comm.recv(t, 1);
+        },
+        {std::chrono::milliseconds(200)});
+    ADD_FAILURE() << "expected a DeadlockError";
+  } catch (const DeadlockError& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 0 recv←1"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("already returned"), std::string::npos) << e.what();
+  }
+}
+
+CP_TEST(LocalBackend, AFailingRankReleasesTheOthersAndItsErrorIsRethrown) {
+  try {
+    run_local_world(4, [](Comm& comm) {
+      if (comm.rank() == 2) throw std::runtime_error("rank two gave up");
+      torch::Tensor t = torch::empty({1});
+      comm.recv(t, 2);  // would wait forever without the release
+    });
+    ADD_FAILURE() << "expected the failure of rank 2";
+  } catch (const WorldAborted& e) {
+    ADD_FAILURE() << "the original error must win over WorldAborted: " << e.what();
+  } catch (const std::runtime_error& e) {
+    EXPECT_STREQ(e.what(), "rank two gave up");
+  }
+}
+
+CP_TEST(LocalBackend, ErrorsCarryTheRank) {
+  try {
+    run_local_world(3, [](Comm& comm) { CP_CHECK(comm.rank() != 1, "bad value"); });
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()).rfind("[rank 1] ", 0), 0u) << e.what();
+  }
+}
+
+// ── the oracle's comparison must be able to fail ──────────────────────────────────────────────
+
+CP_TEST(Oracle, AllCloseReportsWrongElementsWithTheirIndex) {
+  const torch::Tensor expected = torch::arange(24, torch::kDouble).view({2, 3, 4}) / 7;
+  torch::Tensor actual = expected.to(torch::kFloat);
+  EXPECT_TRUE(testing::all_close(actual, expected, "same"));
+  actual[1][2][3] = 5.0f;
+  const auto result = testing::all_close(actual, expected, "out", {"b", "s", "d"});
+  ASSERT_FALSE(result);
+  EXPECT_NE(std::string(result.message()).find("1 of 24 elements wrong"), std::string::npos) << result.message();
+  EXPECT_NE(std::string(result.message()).find("[b=1,s=2,d=3]"), std::string::npos) << result.message();
+}
+
+CP_TEST(Oracle, NanNeverMatchesAndInfinitiesMustAgree) {
+  const torch::Tensor expected = torch::tensor({1.0f, -INFINITY}).to(torch::kDouble);
+  EXPECT_TRUE(testing::all_close(torch::tensor({1.0f, -INFINITY}), expected, "ok"));
+  EXPECT_FALSE(testing::all_close(torch::tensor({NAN, -INFINITY}), expected, "nan"));
+  EXPECT_FALSE(testing::all_close(torch::tensor({1.0f, 0.0f}), expected, "inf"));
+  EXPECT_FALSE(testing::all_close(torch::tensor({1.0f}), expected, "shape"));
+}
+
+CP_TEST(Oracle, TolerancesGrowWithCoarserDtypes) {
+  EXPECT_LT(testing::tolerance_for(torch::kFloat).rel, testing::tolerance_for(torch::kHalf).rel);
+  EXPECT_LT(testing::tolerance_for(torch::kHalf).rel, testing::tolerance_for(torch::kBFloat16).rel);
+  // One bf16 rounding (2^-8 relative) must pass, four ulps must not.
+  const torch::Tensor expected = torch::full({1}, 1.0, torch::kDouble);
+  EXPECT_TRUE(testing::all_close(torch::full({1}, 1.0 + 1.0 / 256), expected, "1 ulp", {}, testing::tolerance_for(torch::kBFloat16)));
+  EXPECT_FALSE(testing::all_close(torch::full({1}, 1.0 + 5.0 / 256), expected, "5 ulp", {}, testing::tolerance_for(torch::kBFloat16)));
+}
+
+}  // namespace
+}  // namespace cp

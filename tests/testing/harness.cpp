@@ -1,0 +1,92 @@
+#include "testing/harness.h"
+
+#include <cstdio>
+#include <iostream>
+
+#include "common/world.h"
+#include "testing/session.h"
+
+namespace cp::testing {
+
+void run_guarded(const std::function<void()>& body) {
+  try {
+    body();
+  } catch (const NotImplemented& e) {
+    GTEST_SKIP() << "NOT STARTED — " << e.what();
+  }
+}
+
+const std::vector<int>& local_world_sizes() {
+  static const std::vector<int> sizes = {1, 2, 3, 4, 8};
+  return sizes;
+}
+
+bool under_mpirun() { return detail::launched_world() != nullptr; }
+
+int process_rank() { return under_mpirun() ? detail::launched_world()->rank() : 0; }
+
+namespace {
+
+void run_local_worlds(const std::function<void(Comm&)>& body) {
+  // Tests deadlock only by mistake; a short watchdog makes such a mistake fail fast.
+  const LocalWorldOptions options{std::chrono::milliseconds(1000)};
+  for (int n : local_world_sizes()) {
+    try {
+      run_local_world(
+          n,
+          [&](Comm& comm) {
+            SCOPED_TRACE(::testing::Message() << "world size " << n << ", rank " << comm.rank());
+            body(comm);
+          },
+          options);
+    } catch (const NotImplemented&) {
+      throw;
+    } catch (const std::exception& e) {
+      FAIL() << "world size " << n << ": " << e.what();
+    }
+  }
+}
+
+enum RankOutcome : int32_t { kPassed = 0, kFailed = 1, kNotStarted = 2 };
+
+void run_launched_world(Comm& comm, const std::function<void(Comm&)>& body) {
+  RankOutcome outcome = kPassed;
+  std::string not_started;
+  try {
+    SCOPED_TRACE(::testing::Message() << "mpi world of " << comm.size() << ", rank " << comm.rank());
+    body(comm);
+  } catch (const NotImplemented& e) {
+    outcome = kNotStarted;
+    not_started = e.what();
+  } catch (const std::exception& e) {
+    // The other ranks may wait for this one forever: end the whole world, loudly.
+    std::cerr << "[rank " << comm.rank() << "] exception in " << ::testing::UnitTest::GetInstance()->current_test_info()->name()
+              << ": " << e.what() << "\n  aborting the MPI world" << std::endl;
+    detail::abort_launched_world();
+  }
+  if (::testing::Test::HasFatalFailure()) {
+    std::cerr << "[rank " << comm.rank() << "] fatal assertion failed; aborting the MPI world" << std::endl;
+    detail::abort_launched_world();
+  }
+  if (outcome == kPassed && ::testing::Test::HasFailure()) outcome = kFailed;
+
+  // Every rank learns every rank's outcome, so a failure anywhere fails the test everywhere.
+  const torch::Tensor outcomes = comm.all_gather(torch::tensor({static_cast<int32_t>(outcome)}, torch::kInt32));
+  for (int r = 0; r < comm.size(); ++r) {
+    const int32_t o = outcomes[r].item<int32_t>();
+    if (o == kFailed && r != comm.rank()) ADD_FAILURE() << "rank " << r << " failed (its messages carry [rank " << r << "])";
+    if (o == kNotStarted && not_started.empty()) not_started = "rank " + std::to_string(r) + " is not started";
+  }
+  if (!not_started.empty()) throw NotImplemented(not_started);
+}
+
+}  // namespace
+
+void for_each_world(const std::function<void(Comm&)>& body) {
+  if (Comm* world = detail::launched_world())
+    run_launched_world(*world, body);
+  else
+    run_local_worlds(body);
+}
+
+}  // namespace cp::testing

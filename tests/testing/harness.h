@@ -1,0 +1,46 @@
+// The test harness: CP_TEST, world helpers and GPU gating shared by every lesson's tests.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <vector>
+
+#include "common/comm.h"
+#include "common/device.h"
+#include "common/error.h"
+
+namespace cp::testing {
+
+/// Runs a test body; a cp::NotImplemented from learner code becomes a skip marked NOT STARTED.
+void run_guarded(const std::function<void()>& body);
+
+/// The world sizes every distributed test runs on the local backend: odd sizes catch
+/// direction bugs, 8 catches indexing that only works for small rings.
+const std::vector<int>& local_world_sizes();
+
+/// Runs body(comm) on every world: local worlds of each size in local_world_sizes() when the
+/// program runs on its own, or the launched world when it runs under mpirun. Under mpirun a
+/// failure on any rank fails the test on every rank, and an exception aborts the world.
+void for_each_world(const std::function<void(Comm&)>& body);
+
+/// True when this test program was started by mpirun (one process per rank).
+bool under_mpirun();
+
+/// Rank of this process in the launched world (0 when not under mpirun).
+int process_rank();
+
+}  // namespace cp::testing
+
+/// A test whose body may call learner code: NotImplemented is reported as NOT STARTED.
+#define CP_TEST(suite, name)                                                   \
+  static void suite##_##name##_body();                                         \
+  TEST(suite, name) { ::cp::testing::run_guarded(&suite##_##name##_body); }    \
+  static void suite##_##name##_body()
+
+/// Skips the current test, with the reason, when CUDA tensors cannot be used here.
+#define CP_REQUIRE_GPU()                                                             \
+  do {                                                                               \
+    const std::string cp_reason = ::cp::cuda_unavailable_reason();                    \
+    if (!cp_reason.empty()) GTEST_SKIP() << "needs a CUDA GPU: " << cp_reason;       \
+  } while (0)

@@ -1,0 +1,150 @@
+// The gtest main of every test program, in-process or under mpirun.
+//
+// Under mpirun only rank 0 prints the usual gtest output; the other ranks print only their
+// failures, prefixed with their rank. Rank 0 also writes one JSON line per test to the file
+// named by CP_RESULTS_JSON (read by tools/status and tools/compare) and prints a summary.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <memory>
+
+#include "common/world.h"
+#include "testing/harness.h"
+#include "testing/oracle.h"
+#include "testing/session.h"
+
+#if CP_WITH_MPI
+#include <mpi.h>
+#endif
+
+namespace cp::testing::detail {
+namespace {
+std::shared_ptr<Comm> launched;  // the mpi world, alive for the whole program
+}
+
+Comm* launched_world() { return launched.get(); }
+
+void abort_launched_world() {
+#if CP_WITH_MPI
+  MPI_Abort(MPI_COMM_WORLD, 1);
+#endif
+  std::abort();
+}
+
+namespace {
+
+enum class Outcome { Passed, Failed, NotStarted, Skipped };
+
+Outcome outcome_of(const ::testing::TestInfo& test, std::string* message) {
+  const ::testing::TestResult& result = *test.result();
+  for (int i = 0; i < result.total_part_count(); ++i) {
+    const ::testing::TestPartResult& part = result.GetTestPartResult(i);
+    if (message->empty() || part.failed()) *message = part.summary();
+  }
+  if (result.Failed()) return Outcome::Failed;
+  if (result.Skipped()) return message->rfind("NOT STARTED", 0) == 0 ? Outcome::NotStarted : Outcome::Skipped;
+  return Outcome::Passed;
+}
+
+std::string json_string(const std::string& s) {
+  std::string out = "\"";
+  for (const char c : s) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (c == '\n') {
+      out += "\\n";
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      out += ' ';
+    } else {
+      out += c;
+    }
+  }
+  return out + "\"";
+}
+
+std::string json_number(double v) {
+  if (std::isfinite(v)) return std::to_string(v);
+  return v > 0 ? "1e308" : "-1e308";  // JSON has no infinity
+}
+
+/// Rank 0: NOT STARTED lines, the results file and the closing summary.
+class CourseReporter : public ::testing::EmptyTestEventListener {
+ public:
+  explicit CourseReporter(const char* results_path) {
+    if (results_path) results_.open(results_path);
+  }
+
+  void OnTestStart(const ::testing::TestInfo&) override { take_checks(); }
+
+  void OnTestEnd(const ::testing::TestInfo& test) override {
+    std::string message;
+    const Outcome outcome = outcome_of(test, &message);
+    const std::string name = std::string(test.test_suite_name()) + "." + test.name();
+    static const char* kNames[] = {"passed", "failed", "not_started", "skipped"};
+    ++counts_[static_cast<int>(outcome)];
+    if (outcome == Outcome::NotStarted) std::cout << "[ NOT STARTED ] " << name << "\n" << std::flush;
+    if (!results_.is_open()) return;
+    results_ << "{\"test\": " << json_string(name) << ", \"status\": \"" << kNames[static_cast<int>(outcome)]
+             << "\", \"time_ms\": " << test.result()->elapsed_time() << ", \"message\": " << json_string(message)
+             << ", \"checks\": [";
+    const std::vector<CheckRecord> records = take_checks();
+    for (size_t i = 0; i < records.size(); ++i) {
+      const CheckRecord& c = records[i];
+      results_ << (i ? ", " : "") << "{\"what\": " << json_string(c.what) << ", \"max_abs\": " << json_number(c.max_abs)
+               << ", \"max_rel\": " << json_number(c.max_rel) << ", \"wrong\": " << c.wrong
+               << ", \"tol_abs\": " << c.tolerance.abs << ", \"tol_rel\": " << c.tolerance.rel << "}";
+    }
+    results_ << "]}\n" << std::flush;
+  }
+
+  void OnTestProgramEnd(const ::testing::UnitTest&) override {
+    std::cout << "Summary: " << counts_[0] << " passed, " << counts_[1] << " failed, " << counts_[2]
+              << " not started, " << counts_[3] << " skipped\n";
+  }
+
+ private:
+  std::ofstream results_;
+  int counts_[4] = {0, 0, 0, 0};
+};
+
+/// Ranks other than 0: print only what failed, with the rank.
+class RankFailurePrinter : public ::testing::EmptyTestEventListener {
+ public:
+  explicit RankFailurePrinter(int rank) : rank_(rank) {}
+  void OnTestPartResult(const ::testing::TestPartResult& part) override {
+    if (!part.failed()) return;
+    std::cerr << "[rank " << rank_ << "] " << (part.file_name() ? part.file_name() : "?") << ":" << part.line_number()
+              << ": failure\n" << part.summary() << std::endl;
+  }
+
+ private:
+  int rank_;
+};
+
+}  // namespace
+}  // namespace cp::testing::detail
+
+int main(int argc, char** argv) {
+  using namespace cp::testing::detail;
+  ::testing::InitGoogleTest(&argc, argv);
+  // Many ranks share few cores: one LibTorch intra-op thread per rank.
+  torch::set_num_threads(1);
+  if (cp::launched_by_mpirun()) launched = cp::mpi_world();
+
+  ::testing::TestEventListeners& listeners = ::testing::UnitTest::GetInstance()->listeners();
+  const int rank = launched ? launched->rank() : 0;
+  if (rank == 0) {
+    listeners.Append(new CourseReporter(std::getenv("CP_RESULTS_JSON")));
+  } else {
+    delete listeners.Release(listeners.default_result_printer());
+    listeners.Append(new RankFailurePrinter(rank));
+  }
+  const int status = RUN_ALL_TESTS();
+  launched.reset();  // finalises MPI
+  return status;
+}

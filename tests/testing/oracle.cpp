@@ -1,0 +1,117 @@
+#include "testing/oracle.h"
+
+#include <cmath>
+#include <limits>
+#include <mutex>
+#include <sstream>
+
+namespace cp::testing {
+
+Tolerance tolerance_for(torch::ScalarType dtype) {
+  switch (dtype) {
+    // The kernels accumulate in float32 whatever the input, so float32 and float64 results
+    // carry float32 rounding: unit roundoff 6e-8, grown by sums over up to a few thousand
+    // terms and by exp() of arguments up to ~1e4 in magnitude -> 1e-5 relative.
+    case torch::kDouble:
+    case torch::kFloat: return {1e-6, 1e-5};
+    // The result is computed in float32 and rounded once to the output type: unit roundoff
+    // 4.9e-4 (fp16) and 3.9e-3 (bf16), plus the rounding of the inputs; 4 ulp of margin.
+    case torch::kHalf: return {1e-4, 2e-3};
+    case torch::kBFloat16: return {1e-3, 1.6e-2};
+    default: return {0.0, 0.0};  // integers: exact
+  }
+}
+
+namespace {
+std::mutex checks_mutex;
+std::vector<detail::CheckRecord> checks;  // of the running test; ranks may add concurrently
+
+std::string index_of(int64_t flat, torch::IntArrayRef sizes, const std::vector<std::string>& dims) {
+  std::vector<int64_t> index(sizes.size());
+  for (int64_t d = static_cast<int64_t>(sizes.size()) - 1; d >= 0; --d) {
+    index[d] = flat % sizes[d];
+    flat /= sizes[d];
+  }
+  std::ostringstream out;
+  out << "[";
+  for (size_t d = 0; d < index.size(); ++d) {
+    if (d) out << ",";
+    if (dims.size() == index.size()) out << dims[d] << "=";
+    out << index[d];
+  }
+  out << "]";
+  return out.str();
+}
+}  // namespace
+
+namespace detail {
+std::vector<CheckRecord> take_checks() {
+  std::lock_guard<std::mutex> lock(checks_mutex);
+  return std::exchange(checks, {});
+}
+}  // namespace detail
+
+::testing::AssertionResult all_close(const torch::Tensor& actual_in, const torch::Tensor& expected_in,
+                                     const std::string& what, const std::vector<std::string>& dims,
+                                     std::optional<Tolerance> tolerance) {
+  if (!actual_in.defined()) return ::testing::AssertionFailure() << what << ": result is undefined";
+  if (actual_in.sizes() != expected_in.sizes())
+    return ::testing::AssertionFailure() << what << ": shape " << actual_in.sizes() << ", expected "
+                                         << expected_in.sizes();
+  const Tolerance tol = tolerance.value_or(tolerance_for(actual_in.scalar_type()));
+  const torch::Tensor actual = actual_in.detach().to(torch::kCPU, torch::kDouble).contiguous();
+  const torch::Tensor expected = expected_in.detach().to(torch::kCPU, torch::kDouble).contiguous();
+  const double* a = actual.data_ptr<double>();
+  const double* e = expected.data_ptr<double>();
+
+  double max_abs = 0, max_rel = 0;
+  int64_t wrong = 0;
+  std::ostringstream mismatches;
+  for (int64_t i = 0; i < actual.numel(); ++i) {
+    bool ok;
+    if (std::isnan(a[i]) || std::isnan(e[i])) {
+      ok = false;
+      max_abs = max_rel = std::numeric_limits<double>::infinity();
+    } else if (std::isinf(a[i]) || std::isinf(e[i])) {
+      ok = a[i] == e[i];
+      if (!ok) max_abs = max_rel = std::numeric_limits<double>::infinity();
+    } else {
+      const double err = std::abs(a[i] - e[i]);
+      ok = err <= tol.abs + tol.rel * std::abs(e[i]);
+      max_abs = std::max(max_abs, err);
+      if (std::abs(e[i]) > tol.abs) max_rel = std::max(max_rel, err / std::abs(e[i]));
+    }
+    if (!ok && wrong++ < 5)
+      mismatches << "\n    " << index_of(i, actual.sizes(), dims) << " got " << a[i] << ", expected " << e[i];
+  }
+  {
+    std::lock_guard<std::mutex> lock(checks_mutex);
+    checks.push_back({what, max_abs, max_rel, wrong, tol});
+  }
+  if (wrong == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure()
+         << what << " " << actual_in.scalar_type() << " " << actual_in.sizes() << ": " << wrong << " of "
+         << actual.numel() << " elements wrong (tolerance " << tol.abs << " + " << tol.rel
+         << "·|expected|); max abs error " << max_abs << ", max rel error " << max_rel
+         << "; first mismatches:" << mismatches.str();
+}
+
+torch::Tensor oracle_softmax(const torch::Tensor& x) {
+  const torch::Tensor x64 = x.detach().to(torch::kCPU, torch::kDouble);
+  const torch::Tensor empty_row = (x64 == -INFINITY).all(-1, /*keepdim=*/true);
+  return torch::where(empty_row, torch::zeros_like(x64), torch::softmax(x64, -1));
+}
+
+torch::Tensor oracle_logsumexp(const torch::Tensor& x) {
+  return torch::logsumexp(x.detach().to(torch::kCPU, torch::kDouble), -1);
+}
+
+torch::Tensor random_with_outliers(std::vector<int64_t> shape, uint64_t seed, double scale, double outlier) {
+  torch::Generator gen = at::detail::createCPUGenerator(seed);
+  torch::Tensor x = torch::randn(shape, gen, torch::kFloat) * scale;
+  const torch::Tensor pick = torch::rand(shape, gen) < (1.0 / 64);
+  const torch::Tensor sign = torch::where(torch::rand(shape, gen) < 0.5, -1.0, 1.0).to(torch::kFloat);
+  return torch::where(pick, sign * outlier, x);
+}
+
+}  // namespace cp::testing

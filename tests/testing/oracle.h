@@ -1,0 +1,58 @@
+// The oracle side of every test: float64 references, one tolerance table, one comparison.
+#pragma once
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace cp::testing {
+
+/// An element is right when |actual - expected| <= abs + rel * |expected|.
+struct Tolerance {
+  double abs;
+  double rel;
+};
+
+/// The one tolerance table of the course, by the dtype of the result under test (see oracle.cpp
+/// for why each value is what it is).
+Tolerance tolerance_for(torch::ScalarType dtype);
+
+/// Compares `actual` (any dtype/device) with `expected` (the float64 oracle) elementwise.
+/// -inf matches -inf; NaN never matches. On failure the message gives the number of wrong
+/// elements, the max abs/rel errors and the first mismatches with their indices, named by
+/// `dims` (e.g. {"b", "h", "s", "d"}) when given. Every call is recorded for make compare.
+::testing::AssertionResult all_close(const torch::Tensor& actual, const torch::Tensor& expected,
+                                     const std::string& what, const std::vector<std::string>& dims = {},
+                                     std::optional<Tolerance> tolerance = std::nullopt);
+
+/// Softmax over the last dim in float64; a row of -inf only gives zeros (the course's
+/// definition: such a row attends to nothing), where torch::softmax gives NaN.
+torch::Tensor oracle_softmax(const torch::Tensor& x);
+
+/// log(sum(exp(x))) over the last dim in float64 (-inf for a row of -inf only).
+torch::Tensor oracle_logsumexp(const torch::Tensor& x);
+
+/// Random float32 values ~ N(0, scale²) of the given shape with a fixed seed, plus a few
+/// outliers of ±outlier (one in every ~64 elements) to stress the max-shift.
+torch::Tensor random_with_outliers(std::vector<int64_t> shape, uint64_t seed, double scale = 3.0,
+                                   double outlier = 1e4);
+
+namespace detail {
+struct CheckRecord {
+  std::string what;
+  double max_abs, max_rel;
+  int64_t wrong;
+  Tolerance tolerance;
+};
+/// The checks made by the running test (read by the results file writer).
+std::vector<CheckRecord> take_checks();
+}  // namespace detail
+
+}  // namespace cp::testing
+
+/// EXPECT that `actual` matches the float64 oracle `expected` (see all_close).
+#define CP_EXPECT_CLOSE(actual, expected, ...) \
+  EXPECT_TRUE(::cp::testing::all_close((actual), (expected), __VA_ARGS__))
