@@ -4,6 +4,7 @@
 #   make lesson N=01     build and run the learner tests of one lesson
 #   make status          per-lesson table of the learner's progress
 #   make compare N=01    learner vs solution: results, errors, timings, diff of filled regions
+SHELL := /bin/bash
 BUILD ?= build
 CP_CUDA_ARCHS ?= 80;90
 CMAKE_PREFIX_PATH ?=
