@@ -6,6 +6,10 @@
 // can compute while it is in flight; Request::wait() orders the caller's stream after it.
 #include <nccl.h>
 #include <torch/torch.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <vector>
 
 
 #include "common/cuda_check.h"
@@ -164,24 +168,37 @@ class NcclComm : public Comm {
              device_, " (this rank's GPU), got a tensor on ", tensor.device(), "; use the mpi backend for CPU tensors");
   }
 
-  /// One GPU per rank: the node-local rank picks the GPU. NCCL cannot run two ranks on one GPU
-  /// ("Duplicate GPU detected"), so that case is refused here with a way out.
+  /// One GPU per rank: the node-local rank picks among the GPUs this process sees. NCCL cannot
+  /// run two ranks on one GPU ("Duplicate GPU detected"), so every rank compares its (host,
+  /// PCI bus id) with the others' and the world refuses to start if two are the same.
   int pick_device() {
     MPI_Comm node;
     MPI_CHECK(MPI_Comm_split_type(mpi_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &node));
-    int local_rank = 0, local_size = 1;
+    int local_rank = 0;
     MPI_Comm_rank(node, &local_rank);
-    MPI_Comm_size(node, &local_size);
     MPI_Comm_free(&node);
     int gpus = 0;
     if (cudaGetDeviceCount(&gpus) != cudaSuccess) gpus = 0;
-    int enough = local_size <= gpus ? 1 : 0;
-    MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &enough, 1, MPI_INT, MPI_MIN, mpi_));
-    CP_CHECK(enough, "nccl backend: ", local_size, " ranks share a node with ", gpus,
-             " visible GPU(s), but NCCL needs one GPU per rank (it fails with \"Duplicate GPU detected\"). "
-             "Launch at most one rank per GPU, or use --backend local (ranks as threads sharing one GPU) "
-             "or --backend mpi (GPU tensors staged through host memory).");
-    return local_rank;
+    CP_CHECK(gpus > 0, "nccl backend: this process sees no GPU; use --backend local or --backend mpi");
+    const int device = local_rank % gpus;
+
+    constexpr int kKey = 128;
+    char key[kKey] = {};
+    gethostname(key, kKey / 2);
+    const size_t host_length = std::strlen(key);
+    key[host_length] = '/';
+    CUDA_CHECK(cudaDeviceGetPCIBusId(key + host_length + 1, kKey - static_cast<int>(host_length) - 1, device));
+    std::vector<char> keys(static_cast<size_t>(kKey) * size_);
+    MPI_CHECK(MPI_Allgather(key, kKey, MPI_CHAR, keys.data(), kKey, MPI_CHAR, mpi_));
+    for (int r = 0; r < size_; ++r) {
+      for (int s = r + 1; s < size_; ++s) {
+        CP_CHECK(std::strncmp(&keys[r * kKey], &keys[s * kKey], kKey) != 0, "nccl backend: ranks ", r, " and ", s,
+                 " would share the GPU ", &keys[r * kKey], ", but NCCL needs one GPU per rank (it fails with "
+                 "\"Duplicate GPU detected\"). Launch at most one rank per GPU, or use --backend local (ranks as "
+                 "threads sharing one GPU) or --backend mpi (GPU tensors staged through host memory).");
+      }
+    }
+    return device;
   }
 
   std::shared_ptr<detail::MpiSession> session_;  // declared first: outlives the communicators

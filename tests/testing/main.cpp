@@ -11,6 +11,7 @@
 #include <fstream>
 #include <iostream>
 #include <memory>
+#include <sstream>
 
 #include "common/world.h"
 #include "testing/harness.h"
@@ -68,8 +69,11 @@ std::string json_string(const std::string& s) {
 }
 
 std::string json_number(double v) {
-  if (std::isfinite(v)) return std::to_string(v);
-  return v > 0 ? "1e308" : "-1e308";  // JSON has no infinity
+  if (!std::isfinite(v)) return v > 0 ? "1e308" : "-1e308";  // JSON has no infinity
+  std::ostringstream out;
+  out.precision(3);
+  out << std::scientific << v;
+  return out.str();
 }
 
 /// Rank 0: NOT STARTED lines, the results file and the closing summary.

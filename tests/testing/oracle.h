@@ -36,7 +36,8 @@ torch::Tensor oracle_softmax(const torch::Tensor& x);
 torch::Tensor oracle_logsumexp(const torch::Tensor& x);
 
 /// Random float32 values ~ N(0, scale²) of the given shape with a fixed seed, plus a few
-/// outliers of ±outlier (one in every ~64 elements) to stress the max-shift.
+/// outliers of ±outlier (one in every ~64 elements) to stress the max-shift; outlier = 0
+/// gives none.
 torch::Tensor random_with_outliers(std::vector<int64_t> shape, uint64_t seed, double scale = 3.0,
                                    double outlier = 1e4);
 
