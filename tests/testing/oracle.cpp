@@ -106,6 +106,24 @@ torch::Tensor oracle_logsumexp(const torch::Tensor& x) {
   return torch::logsumexp(x.detach().to(torch::kCPU, torch::kDouble), -1);
 }
 
+std::pair<torch::Tensor, torch::Tensor> oracle_attention(const torch::Tensor& q, const torch::Tensor& k,
+                                                         const torch::Tensor& v, bool causal,
+                                                         const torch::Tensor& q_pos, const torch::Tensor& k_pos,
+                                                         double scale) {
+  auto f64 = [](const torch::Tensor& t) { return t.detach().to(torch::kCPU, torch::kDouble); };
+  const int64_t group = q.size(1) / k.size(1);
+  const torch::Tensor k64 = f64(k).repeat_interleave(group, 1), v64 = f64(v).repeat_interleave(group, 1);
+  torch::Tensor scores = torch::matmul(f64(q), k64.transpose(-1, -2)) * scale;  // [B, Hq, Sq, Sk]
+  if (causal) {
+    const torch::Tensor hidden = k_pos.cpu().view({1, -1}) > q_pos.cpu().view({-1, 1});  // [Sq, Sk]
+    scores = scores.masked_fill(hidden, -INFINITY);
+  }
+  const torch::Tensor lse = torch::logsumexp(scores, -1);
+  const torch::Tensor empty = (lse == -INFINITY).unsqueeze(-1);
+  const torch::Tensor p = torch::where(empty, torch::zeros_like(scores), torch::exp(scores - lse.unsqueeze(-1)));
+  return {torch::matmul(p, v64), lse};
+}
+
 torch::Tensor random_with_outliers(std::vector<int64_t> shape, uint64_t seed, double scale, double outlier) {
   torch::Generator gen = at::detail::createCPUGenerator(seed);
   torch::Tensor x = torch::randn(shape, gen, torch::kFloat) * scale;

@@ -35,6 +35,15 @@ torch::Tensor oracle_softmax(const torch::Tensor& x);
 /// log(sum(exp(x))) over the last dim in float64 (-inf for a row of -inf only).
 torch::Tensor oracle_logsumexp(const torch::Tensor& x);
 
+/// Attention in float64 (out [B, Hq, Sq, D], lse [B, Hq, Sq]) from matmul and softmax: key j is
+/// visible to query i iff !causal or k_pos[j] <= q_pos[i] (positions: int64 [Sq] and [Sk]).
+/// GQA: query head h uses kv head h / (Hq / Hkv). A row without visible keys gives out 0 and
+/// lse -inf.
+std::pair<torch::Tensor, torch::Tensor> oracle_attention(const torch::Tensor& q, const torch::Tensor& k,
+                                                         const torch::Tensor& v, bool causal,
+                                                         const torch::Tensor& q_pos, const torch::Tensor& k_pos,
+                                                         double scale);
+
 /// Random float32 values ~ N(0, scale²) of the given shape with a fixed seed, plus a few
 /// outliers of ±outlier (one in every ~64 elements) to stress the max-shift; outlier = 0
 /// gives none.

@@ -1,0 +1,138 @@
+// Lesson 02 — distributed ring softmax: three ways for the ranks to agree on each row's state.
+//
+// Only the per-row states (two float32 numbers per row) travel; the shards never move. States
+// are computed and merged with tensor operations, so the same code serves CPU and CUDA tensors
+// (on CUDA the local state comes from lesson 01's kernel through row_logsumexp).
+#include "ring_softmax.h"
+
+#include "common/error.h"
+#include "common/tensor_checks.h"
+#include "online_softmax.h"
+
+namespace cp {
+namespace {
+
+/// One tensor [2, rows...] holding m and l, so that a state travels in one message.
+torch::Tensor pack(const RowStates& s) { return torch::stack({s.m, s.l}); }
+RowStates unpack(const torch::Tensor& packed) { return {packed[0], packed[1]}; }
+
+/// Task 1: softmax of the local shard under the global state: exp(x − m) / l, 0 where l = 0.
+torch::Tensor normalise_with(const torch::Tensor& x, const RowStates& global) {
+  // BEGIN SOLUTION task 1: normalise the shard with the global state
+  // STUB: // TODO(lesson 02, task 1): broadcast m and l over the last dim (unsqueeze(-1)); rows
+  // STUB: // with l = 0 (−inf everywhere) give zeros, and must not compute −inf − (−inf).
+  // STUB: (void)x, (void)global;
+  // STUB: throw NotImplemented("lesson 02, task 1: normalise_with");
+  const torch::Tensor empty = (global.l == 0).unsqueeze(-1);
+  const torch::Tensor m = torch::where(empty, torch::zeros_like(global.m.unsqueeze(-1)), global.m.unsqueeze(-1));
+  const torch::Tensor y = torch::exp(x.to(torch::kFloat) - m) / global.l.unsqueeze(-1);
+  return torch::where(empty, torch::zeros_like(y), y).to(x.scalar_type());
+  // END SOLUTION
+}
+
+}  // namespace
+
+RowStates local_row_states(const torch::Tensor& x) {
+  // BEGIN SOLUTION task 1: the local states
+  // STUB: // TODO(lesson 02, task 1): any (m, l) with l·exp(m) = Σ exp(x) is a state; lesson 01's
+  // STUB: // row_logsumexp gives lse, so (lse, 1) works, and (−inf, 0) for an empty or all −inf row.
+  // STUB: (void)x;
+  // STUB: throw NotImplemented("lesson 02, task 1: local_row_states");
+  const torch::Tensor lse = row_logsumexp(x);  // float32 [rows...]; −inf for an empty row
+  return {lse, (lse != -INFINITY).to(torch::kFloat)};
+  // END SOLUTION
+}
+
+RowStates merge_row_states(const RowStates& a, const RowStates& b) {
+  // BEGIN SOLUTION task 1: merge states row by row
+  // STUB: // TODO(lesson 02, task 1): lesson 01's merge on whole tensors: m = max(m_a, m_b),
+  // STUB: // l = l_a·exp(m_a − m) + l_b·exp(m_b − m). Where both are empty, m = −inf: use a finite
+  // STUB: // stand-in for m there so that exp(−inf − m) = 0 instead of NaN.
+  // STUB: (void)a, (void)b;
+  // STUB: throw NotImplemented("lesson 02, task 1: merge_row_states");
+  const torch::Tensor m = torch::maximum(a.m, b.m);
+  const torch::Tensor m_safe = torch::where(m == -INFINITY, torch::zeros_like(m), m);
+  return {m, a.l * torch::exp(a.m - m_safe) + b.l * torch::exp(b.m - m_safe)};
+  // END SOLUTION
+}
+
+namespace {
+
+/// Task 2: 0 → 1 → … → N−1, then N−1 broadcasts.
+RowStates chain(Comm& comm, const RowStates& mine) {
+  // BEGIN SOLUTION task 2: the chain
+  // STUB: // TODO(lesson 02, task 2): receive the running state from rank r−1 (rank 0 starts
+  // STUB: // with its own), merge yours, send it to r+1; rank N−1 then broadcasts the result.
+  // STUB: // Hint: pack() the two tensors into one message; blocking send/recv are fine here.
+  // STUB: (void)comm, (void)mine;
+  // STUB: throw NotImplemented("lesson 02, task 2: chain");
+  const int r = comm.rank(), n = comm.size();
+  RowStates running = mine;
+  if (r > 0) {
+    torch::Tensor incoming = torch::empty_like(pack(mine));
+    comm.recv(incoming, r - 1);
+    running = merge_row_states(unpack(incoming), mine);
+  }
+  torch::Tensor global = pack(running);
+  if (r < n - 1) comm.send(global, r + 1);
+  comm.broadcast(global, n - 1);
+  return unpack(global);
+  // END SOLUTION
+}
+
+/// Task 3: every state travels N−1 hops around the ring.
+RowStates ring(Comm& comm, const RowStates& mine) {
+  // BEGIN SOLUTION task 3: the ring
+  // STUB: // TODO(lesson 02, task 3): N−1 steps; at each, sendrecv the state you received last
+  // STUB: // (your own at step 0) to r+1 while receiving from r−1, and merge what arrives into
+  // STUB: // your accumulator. Forward what you received, not your accumulator.
+  // STUB: (void)comm, (void)mine;
+  // STUB: throw NotImplemented("lesson 02, task 3: ring");
+  const int r = comm.rank(), n = comm.size();
+  RowStates total = mine;
+  torch::Tensor travelling = pack(mine);
+  torch::Tensor arriving = torch::empty_like(travelling);
+  for (int step = 0; step < n - 1; ++step) {
+    comm.sendrecv(travelling, (r + 1) % n, arriving, (r - 1 + n) % n);
+    total = merge_row_states(total, unpack(arriving));
+    std::swap(travelling, arriving);  // forward what arrived; its buffer is free again
+  }
+  return total;
+  // END SOLUTION
+}
+
+/// Task 4: all_reduce(max), then all_reduce(sum of exp(x − m)).
+RowStates two_all_reduce(Comm& comm, const torch::Tensor& x) {
+  // BEGIN SOLUTION task 4: two all-reduces
+  // STUB: // TODO(lesson 02, task 4): the row max of the shard (−inf for an empty shard: amax of
+  // STUB: // zero columns is an error, so handle it), all_reduce(Max); then the sum of exp(x − m)
+  // STUB: // with the global m (0 for rows that are −inf everywhere), all_reduce(Sum).
+  // STUB: (void)comm, (void)x;
+  // STUB: throw NotImplemented("lesson 02, task 4: two_all_reduce");
+  const torch::Tensor xf = x.to(torch::kFloat);
+  torch::Tensor m = x.size(-1) == 0 ? torch::full(x.sizes().slice(0, x.dim() - 1), -INFINITY, xf.options())
+                                    : std::get<0>(xf.max(-1)).contiguous();
+  comm.all_reduce(m, ReduceOp::Max);
+  const torch::Tensor m_safe = torch::where(m == -INFINITY, torch::zeros_like(m), m);
+  torch::Tensor l = torch::exp(xf - m_safe.unsqueeze(-1)).sum(-1).contiguous();
+  comm.all_reduce(l, ReduceOp::Sum);
+  return {m, l};
+  // END SOLUTION
+}
+
+}  // namespace
+
+torch::Tensor ring_softmax(Comm& comm, const torch::Tensor& x_local, RingSoftmaxAlgo algo) {
+  check_defined(x_local, "x_local", 1);
+  check_float_dtype(x_local, "x_local");
+  const torch::Tensor x = x_local.contiguous();
+  RowStates global;
+  switch (algo) {
+    case RingSoftmaxAlgo::Chain: global = chain(comm, local_row_states(x)); break;
+    case RingSoftmaxAlgo::Ring: global = ring(comm, local_row_states(x)); break;
+    case RingSoftmaxAlgo::TwoAllReduce: global = two_all_reduce(comm, x); break;
+  }
+  return normalise_with(x, global);
+}
+
+}  // namespace cp

@@ -1,0 +1,195 @@
+// Lesson 03, task 3 — block attention forward on the GPU: tiles of keys through shared memory,
+// (m, l, O) per query row in registers.
+//
+// Grid: one block per (batch·query head, tile of kBr = 64 query rows). Each query row is owned
+// by a "row group" of D/32 adjacent threads; thread g of the group holds dims [32g, 32g + 32) of
+// the row's q (pre-scaled) and of its output accumulator O. K and V tiles of kBc = 32 keys are
+// loaded once per block into shared memory and read by all 64 rows: that reuse is the point of
+// tiling. This is the readable form of the algorithm: no tensor cores, no asynchronous copies.
+#include <cfloat>
+#include <climits>
+
+#include "block_attention.cuh"
+#include "common/cuda_check.h"
+#include "common/error.h"
+#include "kernels/dtype.cuh"
+#include "kernels/warp.cuh"
+
+namespace cp {
+namespace {
+
+using kernels::kFullWarp;
+
+constexpr int kBr = 64;        // query rows per block
+constexpr int kBc = 32;        // keys per tile
+constexpr int kSlice = 32;     // dims per thread
+constexpr int kSlicePad = 33;  // a slice's stride in shared memory: the group's threads hit different banks
+
+template <int D>
+constexpr int row_stride() { return (D / kSlice) * kSlicePad; }  // floats per key in shared memory
+
+template <int D>
+constexpr size_t shared_bytes() { return 2 * kBc * row_stride<D>() * sizeof(float); }  // K and V tiles
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kBr * (D / kSlice))
+    block_attention_forward_kernel(const T* __restrict__ q,        // [B, Hq, Sq, D]
+                                   const T* __restrict__ k,        // [B, Hkv, Sk, D]
+                                   const T* __restrict__ v,        // [B, Hkv, Sk, D]
+                                   T* __restrict__ out,            // [B, Hq, Sq, D]
+                                   float* __restrict__ lse,        // [B, Hq, Sq]
+                                   const int64_t* __restrict__ q_pos,  // [Sq]
+                                   const int64_t* __restrict__ k_pos,  // [Sk]
+                                   BlockAttentionParams p) {
+  constexpr int kGroup = D / kSlice;  // threads per query row
+  extern __shared__ float smem[];
+  float* k_tile = smem;                         // [kBc][row_stride]
+  float* v_tile = smem + kBc * row_stride<D>();  // [kBc][row_stride]
+  __shared__ int64_t kpos_tile[kBc];
+  __shared__ int64_t block_max_q_pos;
+
+  const int64_t bh = blockIdx.x;  // b * Hq + h
+  const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
+  const int64_t bh_kv = b * p.heads_kv + h / (p.heads_q / p.heads_kv);  // GQA: the group's kv head
+  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kBr;
+  const int t = threadIdx.x, g = t % kGroup;
+  const int64_t i = row0 + t / kGroup;  // this thread's query row
+  const bool active = i < p.seq_q;      // inactive threads still join every barrier and shuffle
+  const T* k_head = k + bh_kv * p.seq_k * D;
+  const T* v_head = v + bh_kv * p.seq_k * D;
+
+  float q_reg[kSlice];  // this thread's slice of q, times the scale
+  float o[kSlice];      // and of the output accumulator O
+  for (int d = 0; d < kSlice; ++d) {
+    q_reg[d] = active ? kernels::to_float(q[(bh * p.seq_q + i) * D + g * kSlice + d]) * p.scale : 0.0f;
+    o[d] = 0.0f;
+  }
+  const int64_t my_pos = active ? q_pos[i] : LLONG_MIN;
+  float m = -INFINITY, l = 0.0f;
+
+  if (t == 0) {  // the last position of the block's queries: tiles after it are skipped whole
+    int64_t max_pos = LLONG_MIN;
+    for (int r = 0; r < kBr && row0 + r < p.seq_q; ++r) max_pos = q_pos[row0 + r] > max_pos ? q_pos[row0 + r] : max_pos;
+    block_max_q_pos = max_pos;
+  }
+
+  for (int64_t j0 = 0; j0 < p.seq_k; j0 += kBc) {
+    const int n = p.seq_k - j0 < kBc ? static_cast<int>(p.seq_k - j0) : kBc;  // keys in this tile
+    if (t < kBc) kpos_tile[t] = t < n ? k_pos[j0 + t] : LLONG_MAX;
+    __syncthreads();  // kpos_tile and block_max_q_pos are visible to all threads
+
+    if (p.causal) {  // the same answer in every thread: the whole block skips or none does
+      int64_t min_k_pos = LLONG_MAX;
+      for (int jj = 0; jj < n; ++jj) min_k_pos = kpos_tile[jj] < min_k_pos ? kpos_tile[jj] : min_k_pos;
+      if (min_k_pos > block_max_q_pos) {
+        __syncthreads();  // nobody rewrites kpos_tile while another thread still reads it
+        continue;
+      }
+    }
+
+    for (int idx = t; idx < kBc * D; idx += blockDim.x) {  // consecutive threads, consecutive dims
+      const int jj = idx / D, dd = idx % D;
+      const int s = jj * row_stride<D>() + (dd / kSlice) * kSlicePad + dd % kSlice;
+      k_tile[s] = jj < n ? kernels::to_float(k_head[(j0 + jj) * D + dd]) : 0.0f;
+      v_tile[s] = jj < n ? kernels::to_float(v_head[(j0 + jj) * D + dd]) : 0.0f;
+    }
+    __syncthreads();  // the K and V tiles are complete
+
+    // BEGIN SOLUTION task 3: scores of the tile and the (m, l, O) update
+    // STUB: // TODO(lesson 03, task 3): (a) for each key jj of the tile: the partial dot product of
+    // STUB: // q_reg with your slice of k_tile (row jj, slice g), summed over the row group with
+    // STUB: // __shfl_xor_sync (offsets kGroup/2 … 1); -inf if jj >= n or (causal and
+    // STUB: // kpos_tile[jj] > my_pos). (b) if the tile has a visible key: m_new = max(m, tile max),
+    // STUB: // rescale l and o by exp(m − m_new), add exp(s − m_new) to l and exp(s − m_new)·v to o.
+    // STUB: (void)m, (void)l, (void)my_pos, (void)q_reg;
+    float s[kBc];
+    float tile_max = -INFINITY;
+#pragma unroll
+    for (int jj = 0; jj < kBc; ++jj) {
+      const float* k_row = k_tile + jj * row_stride<D>() + g * kSlicePad;
+      float part = 0.0f;
+#pragma unroll
+      for (int d = 0; d < kSlice; ++d) part += q_reg[d] * k_row[d];
+#pragma unroll
+      for (int offset = kGroup / 2; offset > 0; offset /= 2) part += __shfl_xor_sync(kFullWarp, part, offset);
+      const bool visible = jj < n && (!p.causal || kpos_tile[jj] <= my_pos);
+      s[jj] = visible ? part : -INFINITY;
+      tile_max = fmaxf(tile_max, s[jj]);
+    }
+    if (tile_max > -INFINITY) {  // same in the whole row group; no barrier or shuffle inside
+      const float m_new = fmaxf(m, tile_max);
+      const float alpha = expf(m - m_new);  // 0 on the first visible tile (m = -inf)
+      l *= alpha;
+      for (int d = 0; d < kSlice; ++d) o[d] *= alpha;
+#pragma unroll
+      for (int jj = 0; jj < kBc; ++jj) {
+        const float pj = expf(s[jj] - m_new);  // 0 for masked keys
+        const float* v_row = v_tile + jj * row_stride<D>() + g * kSlicePad;
+        l += pj;
+        for (int d = 0; d < kSlice; ++d) o[d] += pj * v_row[d];
+      }
+      m = m_new;
+    }
+    // END SOLUTION
+    __syncthreads();  // every row is done with the tiles before the next iteration overwrites them
+  }
+
+  if (!active) return;
+  // BEGIN SOLUTION task 3: write out and lse
+  // STUB: // TODO(lesson 03, task 3): out = O / l (0 if l = 0: no visible key), lse = m + log l
+  // STUB: // (-inf if l = 0), written by one thread of the row group.
+  // STUB: (void)out, (void)lse;
+  const float inv_l = l > 0.0f ? 1.0f / l : 0.0f;  // a row without visible keys: out 0, not NaN
+  T* out_row = out + (bh * p.seq_q + i) * D + g * kSlice;
+  for (int d = 0; d < kSlice; ++d) out_row[d] = kernels::from_float<T>(o[d] * inv_l);
+  if (g == 0) lse[bh * p.seq_q + i] = l > 0.0f ? m + logf(l) : -INFINITY;
+  // END SOLUTION
+}
+
+template <typename T, int D>
+void launch(const void* q, const void* k, const void* v, void* out, float* lse, const int64_t* q_pos,
+            const int64_t* k_pos, const BlockAttentionParams& p, cudaStream_t stream) {
+  const auto kernel = block_attention_forward_kernel<T, D>;
+  int device = 0, max_shared = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&max_shared, cudaDevAttrMaxSharedMemoryPerBlock, device));
+  CP_CHECK(shared_bytes<D>() <= static_cast<size_t>(max_shared), "block attention: the tiles need ",
+           shared_bytes<D>(), " bytes of shared memory per block, the device allows ", max_shared);
+  const dim3 grid(static_cast<unsigned>(p.batch * p.heads_q), static_cast<unsigned>((p.seq_q + kBr - 1) / kBr));
+  // BEGIN SOLUTION task 3: launch
+  // STUB: // TODO(lesson 03, task 3): launch `kernel` on `grid` with kBr·(D/kSlice) threads,
+  // STUB: // shared_bytes<D>() bytes of dynamic shared memory, on `stream`; check the launch.
+  // STUB: (void)kernel, (void)grid, (void)q, (void)k, (void)v, (void)out, (void)lse, (void)q_pos, (void)k_pos,
+  // STUB: (void)stream;
+  // STUB: throw NotImplemented("lesson 03, task 3: launch the block attention kernel");
+  kernel<<<grid, kBr * (D / kSlice), shared_bytes<D>(), stream>>>(
+      static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), static_cast<T*>(out), lse,
+      q_pos, k_pos, p);
+  CUDA_CHECK_LAUNCH();
+  // END SOLUTION
+}
+
+}  // namespace
+
+bool block_attention_supports_head_dim(int64_t head_dim) {
+  return head_dim == 32 || head_dim == 64 || head_dim == 128;
+}
+
+void launch_block_attention_forward(const void* q, const void* k, const void* v, void* out, float* lse,
+                                    const int64_t* q_pos, const int64_t* k_pos, const BlockAttentionParams& p,
+                                    DType dtype, cudaStream_t stream) {
+  CP_CHECK(block_attention_supports_head_dim(p.head_dim), "block attention: unsupported head dim ", p.head_dim);
+  CP_CHECK(p.batch * p.heads_q <= INT32_MAX && (p.seq_q + kBr - 1) / kBr <= 65535,
+           "block attention: grid too large (B·Hq = ", p.batch * p.heads_q, ", Sq = ", p.seq_q, ")");
+  if (p.batch * p.heads_q == 0 || p.seq_q == 0) return;
+  kernels::dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    switch (p.head_dim) {
+      case 32: launch<T, 32>(q, k, v, out, lse, q_pos, k_pos, p, stream); break;
+      case 64: launch<T, 64>(q, k, v, out, lse, q_pos, k_pos, p, stream); break;
+      case 128: launch<T, 128>(q, k, v, out, lse, q_pos, k_pos, p, stream); break;
+    }
+  });
+}
+
+}  // namespace cp

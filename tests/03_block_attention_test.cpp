@@ -1,0 +1,265 @@
+// Lesson 03 — block attention with LSE and the merge, against float64 LibTorch attention.
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <random>
+
+#include "block_attention.h"
+#include "common/error.h"
+#include "testing/harness.h"
+#include "testing/oracle.h"
+
+namespace cp {
+namespace {
+
+using testing::all_close;
+using testing::oracle_attention;
+
+const std::vector<std::string> kDims = {"b", "h", "s", "d"};
+
+struct Case {
+  int64_t batch, heads_q, heads_kv, seq_q, seq_k, head_dim;
+  bool causal;
+};
+
+struct Inputs {
+  torch::Tensor q, k, v;
+};
+
+Inputs random_inputs(const Case& c, uint64_t seed, torch::ScalarType dtype = torch::kFloat) {
+  torch::Generator gen = at::detail::createCPUGenerator(seed);
+  auto make = [&](int64_t heads, int64_t seq) {
+    return torch::randn({c.batch, heads, seq, c.head_dim}, gen, torch::kFloat).to(dtype);
+  };
+  return {make(c.heads_q, c.seq_q), make(c.heads_kv, c.seq_k), make(c.heads_kv, c.seq_k)};
+}
+
+std::string describe(const Case& c) {
+  return "B=" + std::to_string(c.batch) + " Hq=" + std::to_string(c.heads_q) + " Hkv=" + std::to_string(c.heads_kv) +
+         " Sq=" + std::to_string(c.seq_q) + " Sk=" + std::to_string(c.seq_k) + " D=" + std::to_string(c.head_dim) +
+         (c.causal ? " causal" : "");
+}
+
+/// attention_block_forward on `device` against the oracle, out and lse.
+void check_forward(const Case& c, const AttentionMask& mask, torch::Device device, torch::ScalarType dtype,
+                   uint64_t seed, const std::string& what) {
+  const Inputs in = random_inputs(c, seed, dtype);
+  const torch::Tensor q_pos = mask.q_positions.defined() ? mask.q_positions : torch::arange(c.seq_q);
+  const torch::Tensor k_pos = mask.k_positions.defined() ? mask.k_positions : torch::arange(c.seq_k);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
+  const auto [out, lse] = oracle_attention(in.q, in.k, in.v, mask.causal, q_pos, k_pos, scale);
+  AttentionMask on_device = mask;
+  if (mask.q_positions.defined()) on_device.q_positions = mask.q_positions.to(device);
+  if (mask.k_positions.defined()) on_device.k_positions = mask.k_positions.to(device);
+  const AttnResult r = attention_block_forward(in.q.to(device), in.k.to(device), in.v.to(device), on_device);
+  EXPECT_EQ(r.out.scalar_type(), dtype);
+  EXPECT_EQ(r.lse.scalar_type(), torch::kFloat);
+  EXPECT_TRUE(all_close(r.out, out, "out " + what + " " + describe(c), kDims));
+  EXPECT_TRUE(all_close(r.lse, lse, "lse " + what + " " + describe(c), {"b", "h", "s"}));
+}
+
+/// Shapes from 1 to 1000+, never multiples of the 32-key tile or the 64-row block only.
+const std::vector<Case> kCases = {
+    {1, 1, 1, 1, 1, 32, false},      {1, 1, 1, 1, 1, 32, true},      {2, 4, 2, 33, 65, 64, false},
+    {2, 4, 2, 65, 33, 64, true},     {1, 8, 1, 100, 257, 32, true},  {1, 6, 3, 129, 127, 128, false},
+    {2, 2, 2, 70, 70, 128, true},    {1, 1, 1, 1030, 1100, 32, true}, {1, 2, 1, 1000, 1001, 64, false},
+};
+
+/// Position layouts of a chunk of `s` queries and `s` keys.
+std::vector<std::pair<std::string, AttentionMask>> position_layouts(int64_t s) {
+  torch::Generator gen = at::detail::createCPUGenerator(77);
+  auto sorted_random = [&](int64_t n) { return std::get<0>(torch::randperm(4 * n, gen).narrow(0, 0, n).sort()); };
+  // Zig-zag with N = 2 over 4 chunks of c tokens: rank 0 holds chunks 0 and 3 (its queries),
+  // rank 1 holds chunks 1 and 2 (the keys visiting it).
+  const int64_t c = s / 2;
+  const torch::Tensor zigzag_q = torch::cat({torch::arange(0, c), torch::arange(3 * c, 3 * c + s - c)});
+  return {
+      {"contiguous", {true, {}, {}}},
+      {"keys before queries (a later ring step)", {true, torch::arange(s) + 3 * s, torch::arange(s) + s}},
+      {"keys after queries (fully masked)", {true, torch::arange(s), torch::arange(s) + s}},
+      {"shifted by half a chunk", {true, torch::arange(s) + s / 2, torch::arange(s)}},
+      {"zig-zag chunk pairs", {true, zigzag_q, torch::arange(c, c + s)}},
+      {"random sorted", {true, sorted_random(s), sorted_random(s)}},
+  };
+}
+
+// ── Task 1: the merge ─────────────────────────────────────────────────────────────────────────
+
+CP_TEST(Lesson03, Task1_MergeOfTwoKeySplitsEqualsTheWhole) {
+  const Case c{2, 4, 2, 37, 90, 32, false};
+  const Inputs in = random_inputs(c, 5);
+  const double scale = 1.0 / std::sqrt(32.0);
+  const torch::Tensor q_pos = torch::arange(c.seq_q) + 60, k_pos = torch::arange(c.seq_k);
+  for (bool causal : {false, true}) {
+    const auto [out, lse] = oracle_attention(in.q, in.k, in.v, causal, q_pos, k_pos, scale);
+    for (int64_t split : {0, 1, 45, 89, 90}) {  // 0 and 90: one side is empty
+      auto part = [&](int64_t from, int64_t to) {
+        return oracle_attention(in.q, in.k.narrow(2, from, to - from), in.v.narrow(2, from, to - from), causal, q_pos,
+                                k_pos.narrow(0, from, to - from), scale);
+      };
+      auto [out_a, lse_a] = part(0, split);
+      auto [out_b, lse_b] = part(split, c.seq_k);
+      torch::Tensor out_acc = out_a.to(torch::kFloat), lse_acc = lse_a.to(torch::kFloat);
+      merge_attention(out_acc, lse_acc, out_b.to(torch::kFloat), lse_b.to(torch::kFloat));
+      const std::string what = "split at " + std::to_string(split) + (causal ? " causal" : "");
+      EXPECT_TRUE(all_close(out_acc, out, "merged out, " + what, kDims));
+      EXPECT_TRUE(all_close(lse_acc, lse, "merged lse, " + what));
+    }
+  }
+}
+
+CP_TEST(Lesson03, Task1_MergeIsMinusInfSafeOnEitherSide) {
+  const torch::Tensor some_out = torch::randn({1, 1, 3, 4});
+  const torch::Tensor some_lse = torch::tensor({0.5f, -INFINITY, 2.0f}).view({1, 1, 3});
+  const torch::Tensor none_out = torch::zeros({1, 1, 3, 4});
+  const torch::Tensor none_lse = torch::full({1, 1, 3}, -INFINITY);
+  for (bool empty_first : {true, false}) {
+    torch::Tensor out_acc = (empty_first ? none_out : some_out).clone();
+    torch::Tensor lse_acc = (empty_first ? none_lse : some_lse).clone();
+    merge_attention(out_acc, lse_acc, empty_first ? some_out : none_out, empty_first ? some_lse : none_lse);
+    EXPECT_FALSE(out_acc.isnan().any().item<bool>());
+    EXPECT_TRUE(all_close(lse_acc, some_lse, "lse after merging with an empty side"));
+    // Row 1 is empty on both sides: it stays (0, -inf); the others keep their values.
+    const torch::Tensor expected = some_out.clone().index_put_({0, 0, 1}, 0.0f);
+    EXPECT_TRUE(all_close(out_acc, expected, "out after merging with an empty side", kDims));
+  }
+}
+
+CP_TEST(Lesson03, Task1_MergeRejectsWrongShapesAndDtypes) {
+  torch::Tensor out = torch::zeros({1, 2, 3, 4}), lse = torch::zeros({1, 2, 3});
+  auto expect_error = [](const std::function<void()>& fn, const std::string& needle) {
+    try {
+      fn();
+      ADD_FAILURE() << "expected a cp::Error mentioning '" << needle << "'";
+    } catch (const NotImplemented&) {
+      throw;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  merge_attention(out, lse, out.clone(), lse.clone());  // counts once implemented
+  expect_error([&] { torch::Tensor o = out.to(torch::kDouble); merge_attention(o, lse, out, lse); }, "out_acc: the accumulator must be float32");
+  expect_error([&] { torch::Tensor l = torch::zeros({1, 2, 4}); merge_attention(out, l, out, lse); }, "lse_acc: shape must be");
+  expect_error([&] { merge_attention(out, lse, torch::zeros({1, 2, 3, 5}), lse); }, "out_blk: shape must be");
+  expect_error([&] { merge_attention(out, lse, out, lse.to(torch::kDouble)); }, "lse_blk: must be float32");
+}
+
+// ── Task 2: the CPU forward ───────────────────────────────────────────────────────────────────
+
+CP_TEST(Lesson03, Task2_ForwardMatchesTorch) {
+  uint64_t seed = 10;
+  for (const Case& c : kCases) check_forward(c, {c.causal, {}, {}}, torch::kCPU, torch::kFloat, seed++, "cpu float32");
+  check_forward({1, 3, 1, 45, 50, 24, true}, {true, {}, {}}, torch::kCPU, torch::kDouble, 3, "cpu float64, D=24");
+}
+
+CP_TEST(Lesson03, Task2_CausalMaskFromGlobalPositions) {
+  const int64_t s = 75;
+  for (const auto& [name, mask] : position_layouts(s))
+    check_forward({1, 2, 1, s, s, 32, true}, mask, torch::kCPU, torch::kFloat, 21, name);
+}
+
+CP_TEST(Lesson03, Task2_FullyMaskedRowsGiveZeroAndMinusInf) {
+  const Case c{1, 2, 2, 40, 40, 32, true};
+  const Inputs in = random_inputs(c, 8);
+  // Queries 0..39 at positions 0..39, keys at 20..59: queries 0..19 see nothing.
+  const AttnResult r = attention_block_forward(in.q, in.k, in.v, {true, torch::arange(40), torch::arange(40) + 20});
+  EXPECT_FALSE(r.out.isnan().any().item<bool>());
+  EXPECT_TRUE(torch::equal(r.out.narrow(2, 0, 20), torch::zeros({1, 2, 20, 32})));
+  EXPECT_TRUE((r.lse.narrow(2, 0, 20) == -INFINITY).all().item<bool>());
+  EXPECT_TRUE((r.lse.narrow(2, 20, 20) > -INFINITY).all().item<bool>());
+}
+
+CP_TEST(Lesson03, Task2_SplitKEquivalenceInAnyOrder) {
+  // Attention over all keys equals the merge of attention over any partition of the keys, in
+  // any order: the property every ring step relies on.
+  const Case c{1, 4, 2, 50, 160, 64, true};
+  const Inputs in = random_inputs(c, 12);
+  const torch::Tensor q_pos = torch::arange(c.seq_q) + 100, k_pos = torch::arange(c.seq_k);
+  const AttnResult whole = attention_block_forward(in.q, in.k, in.v, {true, q_pos, k_pos});
+  std::mt19937 gen(3);
+  for (int trial = 0; trial < 4; ++trial) {
+    std::vector<int64_t> cuts = {0, c.seq_k};
+    for (int i = 0; i < 3; ++i) cuts.push_back(std::uniform_int_distribution<int64_t>(0, c.seq_k)(gen));
+    std::sort(cuts.begin(), cuts.end());
+    std::vector<size_t> order(cuts.size() - 1);
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), gen);
+    torch::Tensor out_acc = torch::zeros({1, 4, c.seq_q, 64}), lse_acc = torch::full({1, 4, c.seq_q}, -INFINITY);
+    for (size_t piece : order) {
+      const int64_t from = cuts[piece], len = cuts[piece + 1] - cuts[piece];
+      const AttnResult part = attention_block_forward(in.q, in.k.narrow(2, from, len), in.v.narrow(2, from, len),
+                                                      {true, q_pos, k_pos.narrow(0, from, len)});
+      merge_attention(out_acc, lse_acc, part.out, part.lse);
+    }
+    EXPECT_TRUE(all_close(out_acc, whole.out, "merged out, trial " + std::to_string(trial), kDims));
+    EXPECT_TRUE(all_close(lse_acc, whole.lse, "merged lse, trial " + std::to_string(trial)));
+  }
+}
+
+CP_TEST(Lesson03, Task2_BadInputGivesClearErrors) {
+  const torch::Tensor q = torch::zeros({1, 4, 8, 32}), kv = torch::zeros({1, 2, 8, 32});
+  attention_block_forward(q, kv, kv);  // counts once implemented
+  auto expect_error = [](const std::function<void()>& fn, const std::string& needle) {
+    try {
+      fn();
+      ADD_FAILURE() << "expected a cp::Error mentioning '" << needle << "'";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  expect_error([&] { attention_block_forward(q, torch::zeros({1, 3, 8, 32}), torch::zeros({1, 3, 8, 32})); },
+               "H_q (4) must be divisible by H_kv (3)");
+  expect_error([&] { attention_block_forward(q.view({4, 8, 32}), kv, kv); }, "q: expected at least 4 dimension(s)");
+  expect_error([&] { attention_block_forward(q, kv, torch::zeros({1, 2, 9, 32})); }, "v: shape must be k's");
+  expect_error([&] { attention_block_forward(q, kv.to(torch::kDouble), kv.to(torch::kDouble)); }, "k, v: dtype must be q's");
+  expect_error([&] { attention_block_forward(q, torch::zeros({1, 2, 8, 16}), torch::zeros({1, 2, 8, 16})); },
+               "k: head dim 16 differs from q's 32");
+  expect_error([&] { attention_block_forward(q, kv, kv, {true, torch::arange(7), {}}); },
+               "mask.q_positions: expected an int64 tensor of shape [8]");
+  expect_error([&] { attention_block_forward(q, kv, kv, {true, {}, torch::arange(8).to(torch::kInt)}); },
+               "mask.k_positions: expected an int64 tensor");
+}
+
+// ── Task 3: the CUDA kernel ───────────────────────────────────────────────────────────────────
+
+CP_TEST(Lesson03Cuda, Task3_ForwardMatchesTorchForEveryDtypeAndHeadDim) {
+  CP_REQUIRE_GPU();
+  uint64_t seed = 40;
+  for (auto dtype : {torch::kFloat, torch::kHalf, torch::kBFloat16})
+    for (const Case& c : kCases) check_forward(c, {c.causal, {}, {}}, torch::kCUDA, dtype, seed++, "cuda");
+}
+
+CP_TEST(Lesson03Cuda, Task3_CausalMaskFromGlobalPositions) {
+  CP_REQUIRE_GPU();
+  const int64_t s = 150;
+  for (const auto& [name, mask] : position_layouts(s))
+    for (int64_t d : {32, 128}) check_forward({1, 4, 2, s, s, d, true}, mask, torch::kCUDA, torch::kFloat, 22, name);
+}
+
+CP_TEST(Lesson03Cuda, Task3_SplitKMergeOnCudaAndUnsupportedHeadDim) {
+  CP_REQUIRE_GPU();
+  const Case c{2, 4, 4, 70, 130, 64, true};
+  const Inputs in = random_inputs(c, 30);
+  const torch::Tensor q = in.q.cuda(), k = in.k.cuda(), v = in.v.cuda();
+  const AttnResult whole = attention_block_forward(q, k, v, {true, {}, {}});
+  const torch::Tensor q_pos = torch::arange(c.seq_q, torch::TensorOptions().dtype(torch::kLong).device(torch::kCUDA));
+  torch::Tensor out_acc = torch::zeros({2, 4, 70, 64}, torch::kCUDA), lse_acc = torch::full({2, 4, 70}, -INFINITY, torch::kCUDA);
+  for (int64_t from : {64, 0}) {  // the later half first
+    const int64_t len = from == 0 ? 64 : c.seq_k - 64;
+    const AttnResult part = attention_block_forward(q, k.narrow(2, from, len), v.narrow(2, from, len),
+                                                    {true, q_pos, torch::arange(from, from + len, q_pos.options())});
+    merge_attention(out_acc, lse_acc, part.out, part.lse);
+  }
+  EXPECT_TRUE(all_close(out_acc, whole.out.cpu(), "merged out on cuda", kDims));
+  EXPECT_TRUE(all_close(lse_acc, whole.lse.cpu(), "merged lse on cuda"));
+  try {
+    attention_block_forward(torch::zeros({1, 1, 4, 48}, torch::kCUDA), torch::zeros({1, 1, 4, 48}, torch::kCUDA),
+                            torch::zeros({1, 1, 4, 48}, torch::kCUDA));
+    ADD_FAILURE() << "D = 48 must be rejected on CUDA";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("head dim 48 is not supported by the CUDA kernel"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace cp
