@@ -10,7 +10,8 @@ CP_CUDA_ARCHS ?= 80;90
 CMAKE_PREFIX_PATH ?=
 JOBS ?= $(shell nproc)
 N ?=
-export BUILD_DIR = $(BUILD)  # where tools/status and tools/compare find the test programs
+# where tools/status and tools/compare find the test programs
+export BUILD_DIR = $(BUILD)
 
 NN = $(shell printf '%02d' $$((10#$(N))) 2>/dev/null)
 CMAKE_ARGS = -G Ninja -DCP_CUDA_ARCHS="$(CP_CUDA_ARCHS)" $(if $(CMAKE_PREFIX_PATH),-DCMAKE_PREFIX_PATH="$(CMAKE_PREFIX_PATH)")

@@ -1,13 +1,15 @@
 // Lesson 02 — distributed ring softmax: three ways for the ranks to agree on each row's state.
 //
 // Only the per-row states (two float32 numbers per row) travel; the shards never move. States
-// are computed and merged with tensor operations, so the same code serves CPU and CUDA tensors
-// (on CUDA the local state comes from lesson 01's kernel through row_logsumexp).
+// are computed and merged with tensor operations, so the same code serves CPU and CUDA tensors.
+//
+// Why (m, l) and not just lse = m + log l: lse would be rounded at the magnitude of m. With
+// values around 1e4 a float32 lse is off by ~5e-4, and so would be every exp(x − lse); the max m
+// is one of the inputs, exact, and l carries the rest.
 #include "ring_softmax.h"
 
 #include "common/error.h"
 #include "common/tensor_checks.h"
-#include "online_softmax.h"
 
 namespace cp {
 namespace {
@@ -30,8 +32,9 @@ torch::Tensor normalise_with(const torch::Tensor& x, const RowStates& global) {
 
 RowStates local_row_states(const torch::Tensor& x) {
   // BEGIN YOUR CODE task 1: the local states
-  // TODO(lesson 02, task 1): any (m, l) with l·exp(m) = Σ exp(x) is a state; lesson 01's
-  // row_logsumexp gives lse, so (lse, 1) works, and (−inf, 0) for an empty or all −inf row.
+  // TODO(lesson 02, task 1): m = the row max (−inf for an empty shard: max over zero
+  // columns is an error, so handle it), l = Σ exp(x − m) with a finite stand-in for m where
+  // m = −inf. Compute in float32 whatever x's dtype.
   (void)x;
   throw NotImplemented("lesson 02, task 1: local_row_states");
   // END YOUR CODE
@@ -74,9 +77,9 @@ RowStates ring(Comm& comm, const RowStates& mine) {
 /// Task 4: all_reduce(max), then all_reduce(sum of exp(x − m)).
 RowStates two_all_reduce(Comm& comm, const torch::Tensor& x) {
   // BEGIN YOUR CODE task 4: two all-reduces
-  // TODO(lesson 02, task 4): the row max of the shard (−inf for an empty shard: amax of
-  // zero columns is an error, so handle it), all_reduce(Max); then the sum of exp(x − m)
-  // with the global m (0 for rows that are −inf everywhere), all_reduce(Sum).
+  // TODO(lesson 02, task 4): start from the local states; all_reduce(Max) their m; then
+  // l = Σ exp(x − m_global) over the shard (0 for rows that are −inf everywhere), and
+  // all_reduce(Sum) of it.
   (void)comm, (void)x;
   throw NotImplemented("lesson 02, task 4: two_all_reduce");
   // END YOUR CODE

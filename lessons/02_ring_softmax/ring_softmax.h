@@ -18,8 +18,8 @@ enum class RingSoftmaxAlgo {
   TwoAllReduce  ///< all_reduce(max), then all_reduce(sum of exp(x − m)): what NCCL can do
 };
 
-/// Softmax states of many rows, as two float32 tensors of the rows' shape: m (a reference
-/// maximum) and l = Σ exp(x − m). An empty row (or a row of −inf only) is {−inf, 0}.
+/// Softmax states of many rows, as two float32 tensors of the rows' shape: m (the maximum) and
+/// l = Σ exp(x − m). An empty row (or a row of −inf only) is {−inf, 0}.
 struct RowStates {
   torch::Tensor m;  ///< [rows...] float32
   torch::Tensor l;  ///< [rows...] float32

@@ -26,10 +26,10 @@ constexpr int kSlice = 32;     // dims per thread
 constexpr int kSlicePad = 33;  // a slice's stride in shared memory: the group's threads hit different banks
 
 template <int D>
-constexpr int row_stride() { return (D / kSlice) * kSlicePad; }  // floats per key in shared memory
+constexpr int kRowStride = (D / kSlice) * kSlicePad;  // floats per key in shared memory
 
 template <int D>
-constexpr size_t shared_bytes() { return 2 * kBc * row_stride<D>() * sizeof(float); }  // K and V tiles
+constexpr size_t kSharedBytes = 2 * kBc * kRowStride<D> * sizeof(float);  // the K and V tiles
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kBr * (D / kSlice))
@@ -43,8 +43,8 @@ __global__ void __launch_bounds__(kBr * (D / kSlice))
                                    BlockAttentionParams p) {
   constexpr int kGroup = D / kSlice;  // threads per query row
   extern __shared__ float smem[];
-  float* k_tile = smem;                         // [kBc][row_stride]
-  float* v_tile = smem + kBc * row_stride<D>();  // [kBc][row_stride]
+  float* k_tile = smem;                         // [kBc][kRowStride]
+  float* v_tile = smem + kBc * kRowStride<D>;  // [kBc][kRowStride]
   __shared__ int64_t kpos_tile[kBc];
   __shared__ int64_t block_max_q_pos;
 
@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(kBr * (D / kSlice))
 
     for (int idx = t; idx < kBc * D; idx += blockDim.x) {  // consecutive threads, consecutive dims
       const int jj = idx / D, dd = idx % D;
-      const int s = jj * row_stride<D>() + (dd / kSlice) * kSlicePad + dd % kSlice;
+      const int s = jj * kRowStride<D> + (dd / kSlice) * kSlicePad + dd % kSlice;
       k_tile[s] = jj < n ? kernels::to_float(k_head[(j0 + jj) * D + dd]) : 0.0f;
       v_tile[s] = jj < n ? kernels::to_float(v_head[(j0 + jj) * D + dd]) : 0.0f;
     }
@@ -121,12 +121,12 @@ void launch(const void* q, const void* k, const void* v, void* out, float* lse, 
   int device = 0, max_shared = 0;
   CUDA_CHECK(cudaGetDevice(&device));
   CUDA_CHECK(cudaDeviceGetAttribute(&max_shared, cudaDevAttrMaxSharedMemoryPerBlock, device));
-  CP_CHECK(shared_bytes<D>() <= static_cast<size_t>(max_shared), "block attention: the tiles need ",
-           shared_bytes<D>(), " bytes of shared memory per block, the device allows ", max_shared);
+  CP_CHECK(kSharedBytes<D> <= static_cast<size_t>(max_shared), "block attention: the tiles need ",
+           kSharedBytes<D>, " bytes of shared memory per block, the device allows ", max_shared);
   const dim3 grid(static_cast<unsigned>(p.batch * p.heads_q), static_cast<unsigned>((p.seq_q + kBr - 1) / kBr));
   // BEGIN YOUR CODE task 3: launch
   // TODO(lesson 03, task 3): launch `kernel` on `grid` with kBr·(D/kSlice) threads,
-  // shared_bytes<D>() bytes of dynamic shared memory, on `stream`; check the launch.
+  // kSharedBytes<D> bytes of dynamic shared memory, on `stream`; check the launch.
   (void)kernel, (void)grid, (void)q, (void)k, (void)v, (void)out, (void)lse, (void)q_pos, (void)k_pos,
   (void)stream;
   throw NotImplemented("lesson 03, task 3: launch the block attention kernel");

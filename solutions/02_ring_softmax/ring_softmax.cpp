@@ -1,13 +1,15 @@
 // Lesson 02 — distributed ring softmax: three ways for the ranks to agree on each row's state.
 //
 // Only the per-row states (two float32 numbers per row) travel; the shards never move. States
-// are computed and merged with tensor operations, so the same code serves CPU and CUDA tensors
-// (on CUDA the local state comes from lesson 01's kernel through row_logsumexp).
+// are computed and merged with tensor operations, so the same code serves CPU and CUDA tensors.
+//
+// Why (m, l) and not just lse = m + log l: lse would be rounded at the magnitude of m. With
+// values around 1e4 a float32 lse is off by ~5e-4, and so would be every exp(x − lse); the max m
+// is one of the inputs, exact, and l carries the rest.
 #include "ring_softmax.h"
 
 #include "common/error.h"
 #include "common/tensor_checks.h"
-#include "online_softmax.h"
 
 namespace cp {
 namespace {
@@ -34,12 +36,19 @@ torch::Tensor normalise_with(const torch::Tensor& x, const RowStates& global) {
 
 RowStates local_row_states(const torch::Tensor& x) {
   // BEGIN SOLUTION task 1: the local states
-  // STUB: // TODO(lesson 02, task 1): any (m, l) with l·exp(m) = Σ exp(x) is a state; lesson 01's
-  // STUB: // row_logsumexp gives lse, so (lse, 1) works, and (−inf, 0) for an empty or all −inf row.
+  // STUB: // TODO(lesson 02, task 1): m = the row max (−inf for an empty shard: max over zero
+  // STUB: // columns is an error, so handle it), l = Σ exp(x − m) with a finite stand-in for m where
+  // STUB: // m = −inf. Compute in float32 whatever x's dtype.
   // STUB: (void)x;
   // STUB: throw NotImplemented("lesson 02, task 1: local_row_states");
-  const torch::Tensor lse = row_logsumexp(x);  // float32 [rows...]; −inf for an empty row
-  return {lse, (lse != -INFINITY).to(torch::kFloat)};
+  const torch::Tensor xf = x.to(torch::kFloat);
+  if (x.size(-1) == 0) {
+    const torch::Tensor m = torch::full(x.sizes().slice(0, x.dim() - 1), -INFINITY, xf.options());
+    return {m, torch::zeros_like(m)};
+  }
+  const torch::Tensor m = std::get<0>(xf.max(-1));
+  const torch::Tensor m_safe = torch::where(m == -INFINITY, torch::zeros_like(m), m);
+  return {m, torch::exp(xf - m_safe.unsqueeze(-1)).sum(-1)};
   // END SOLUTION
 }
 
@@ -104,17 +113,15 @@ RowStates ring(Comm& comm, const RowStates& mine) {
 /// Task 4: all_reduce(max), then all_reduce(sum of exp(x − m)).
 RowStates two_all_reduce(Comm& comm, const torch::Tensor& x) {
   // BEGIN SOLUTION task 4: two all-reduces
-  // STUB: // TODO(lesson 02, task 4): the row max of the shard (−inf for an empty shard: amax of
-  // STUB: // zero columns is an error, so handle it), all_reduce(Max); then the sum of exp(x − m)
-  // STUB: // with the global m (0 for rows that are −inf everywhere), all_reduce(Sum).
+  // STUB: // TODO(lesson 02, task 4): start from the local states; all_reduce(Max) their m; then
+  // STUB: // l = Σ exp(x − m_global) over the shard (0 for rows that are −inf everywhere), and
+  // STUB: // all_reduce(Sum) of it.
   // STUB: (void)comm, (void)x;
   // STUB: throw NotImplemented("lesson 02, task 4: two_all_reduce");
-  const torch::Tensor xf = x.to(torch::kFloat);
-  torch::Tensor m = x.size(-1) == 0 ? torch::full(x.sizes().slice(0, x.dim() - 1), -INFINITY, xf.options())
-                                    : std::get<0>(xf.max(-1)).contiguous();
+  torch::Tensor m = local_row_states(x).m.contiguous();
   comm.all_reduce(m, ReduceOp::Max);
   const torch::Tensor m_safe = torch::where(m == -INFINITY, torch::zeros_like(m), m);
-  torch::Tensor l = torch::exp(xf - m_safe.unsqueeze(-1)).sum(-1).contiguous();
+  torch::Tensor l = torch::exp(x.to(torch::kFloat) - m_safe.unsqueeze(-1)).sum(-1).contiguous();
   comm.all_reduce(l, ReduceOp::Sum);
   return {m, l};
   // END SOLUTION

@@ -26,10 +26,10 @@ constexpr int kSlice = 32;     // dims per thread
 constexpr int kSlicePad = 33;  // a slice's stride in shared memory: the group's threads hit different banks
 
 template <int D>
-constexpr int row_stride() { return (D / kSlice) * kSlicePad; }  // floats per key in shared memory
+constexpr int kRowStride = (D / kSlice) * kSlicePad;  // floats per key in shared memory
 
 template <int D>
-constexpr size_t shared_bytes() { return 2 * kBc * row_stride<D>() * sizeof(float); }  // K and V tiles
+constexpr size_t kSharedBytes = 2 * kBc * kRowStride<D> * sizeof(float);  // the K and V tiles
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kBr * (D / kSlice))
@@ -43,8 +43,8 @@ __global__ void __launch_bounds__(kBr * (D / kSlice))
                                    BlockAttentionParams p) {
   constexpr int kGroup = D / kSlice;  // threads per query row
   extern __shared__ float smem[];
-  float* k_tile = smem;                         // [kBc][row_stride]
-  float* v_tile = smem + kBc * row_stride<D>();  // [kBc][row_stride]
+  float* k_tile = smem;                         // [kBc][kRowStride]
+  float* v_tile = smem + kBc * kRowStride<D>;  // [kBc][kRowStride]
   __shared__ int64_t kpos_tile[kBc];
   __shared__ int64_t block_max_q_pos;
 
@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(kBr * (D / kSlice))
 
     for (int idx = t; idx < kBc * D; idx += blockDim.x) {  // consecutive threads, consecutive dims
       const int jj = idx / D, dd = idx % D;
-      const int s = jj * row_stride<D>() + (dd / kSlice) * kSlicePad + dd % kSlice;
+      const int s = jj * kRowStride<D> + (dd / kSlice) * kSlicePad + dd % kSlice;
       k_tile[s] = jj < n ? kernels::to_float(k_head[(j0 + jj) * D + dd]) : 0.0f;
       v_tile[s] = jj < n ? kernels::to_float(v_head[(j0 + jj) * D + dd]) : 0.0f;
     }
@@ -106,7 +106,7 @@ __global__ void __launch_bounds__(kBr * (D / kSlice))
     float tile_max = -INFINITY;
 #pragma unroll
     for (int jj = 0; jj < kBc; ++jj) {
-      const float* k_row = k_tile + jj * row_stride<D>() + g * kSlicePad;
+      const float* k_row = k_tile + jj * kRowStride<D> + g * kSlicePad;
       float part = 0.0f;
 #pragma unroll
       for (int d = 0; d < kSlice; ++d) part += q_reg[d] * k_row[d];
@@ -124,7 +124,7 @@ __global__ void __launch_bounds__(kBr * (D / kSlice))
 #pragma unroll
       for (int jj = 0; jj < kBc; ++jj) {
         const float pj = expf(s[jj] - m_new);  // 0 for masked keys
-        const float* v_row = v_tile + jj * row_stride<D>() + g * kSlicePad;
+        const float* v_row = v_tile + jj * kRowStride<D> + g * kSlicePad;
         l += pj;
         for (int d = 0; d < kSlice; ++d) o[d] += pj * v_row[d];
       }
@@ -153,16 +153,16 @@ void launch(const void* q, const void* k, const void* v, void* out, float* lse, 
   int device = 0, max_shared = 0;
   CUDA_CHECK(cudaGetDevice(&device));
   CUDA_CHECK(cudaDeviceGetAttribute(&max_shared, cudaDevAttrMaxSharedMemoryPerBlock, device));
-  CP_CHECK(shared_bytes<D>() <= static_cast<size_t>(max_shared), "block attention: the tiles need ",
-           shared_bytes<D>(), " bytes of shared memory per block, the device allows ", max_shared);
+  CP_CHECK(kSharedBytes<D> <= static_cast<size_t>(max_shared), "block attention: the tiles need ",
+           kSharedBytes<D>, " bytes of shared memory per block, the device allows ", max_shared);
   const dim3 grid(static_cast<unsigned>(p.batch * p.heads_q), static_cast<unsigned>((p.seq_q + kBr - 1) / kBr));
   // BEGIN SOLUTION task 3: launch
   // STUB: // TODO(lesson 03, task 3): launch `kernel` on `grid` with kBr·(D/kSlice) threads,
-  // STUB: // shared_bytes<D>() bytes of dynamic shared memory, on `stream`; check the launch.
+  // STUB: // kSharedBytes<D> bytes of dynamic shared memory, on `stream`; check the launch.
   // STUB: (void)kernel, (void)grid, (void)q, (void)k, (void)v, (void)out, (void)lse, (void)q_pos, (void)k_pos,
   // STUB: (void)stream;
   // STUB: throw NotImplemented("lesson 03, task 3: launch the block attention kernel");
-  kernel<<<grid, kBr * (D / kSlice), shared_bytes<D>(), stream>>>(
+  kernel<<<grid, kBr * (D / kSlice), kSharedBytes<D>, stream>>>(
       static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), static_cast<T*>(out), lse,
       q_pos, k_pos, p);
   CUDA_CHECK_LAUNCH();
