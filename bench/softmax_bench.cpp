@@ -2,7 +2,9 @@
 //
 // Bytes moved are counted as the minimum an implementation must move (read x once, write y
 // once), so GB/s compares implementations on the same footing.
-#include <torch/torch.h>
+#include <torch/cuda.h>
+#include <torch/types.h>
+#include <torch/utils.h>
 
 #include <chrono>
 #include <cstdio>

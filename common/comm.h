@@ -6,7 +6,7 @@
 // native collectives override them.
 #pragma once
 
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include <memory>
 #include <string>

@@ -1,6 +1,7 @@
 #include "common/device.h"
 
-#include <torch/torch.h>
+#include <torch/cuda.h>
+#include <torch/types.h>
 
 #if CP_TORCH_CUDA
 #include <c10/cuda/CUDAStream.h>

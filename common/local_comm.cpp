@@ -9,7 +9,8 @@
 // A blocking send returns only when its receive has been matched (rendezvous), which is what
 // makes a naive ring deadlock. The watchdog turns that into cp::DeadlockError: when every live
 // rank is blocked on unmatched operations, nothing can ever change again.
-#include <torch/torch.h>
+#include <torch/types.h>
+#include <torch/utils.h>
 
 #include <algorithm>
 #include <condition_variable>

@@ -5,7 +5,7 @@
 // separate communication stream ordered after the caller's current work, so that the caller
 // can compute while it is in flight; Request::wait() orders the caller's stream after it.
 #include <nccl.h>
-#include <torch/torch.h>
+#include <torch/types.h>
 #include <unistd.h>
 
 #include <cstring>

@@ -2,7 +2,7 @@
 // expected and what came.
 #pragma once
 
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include <string>
 

@@ -1,6 +1,6 @@
 // Lesson 01 — online softmax. Shared by the learner and the solution builds; the test names
 // carry the task numbers of the lesson README.
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include <random>
 

@@ -1,6 +1,6 @@
 // Lesson 02 — distributed ring softmax. Every algorithm against LibTorch's softmax of the
 // whole row, on local worlds of 1, 2, 3, 4, 8 ranks or on the mpirun world.
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include "common/error.h"
 #include "common/world.h"

@@ -1,5 +1,5 @@
 // Lesson 03 — block attention with LSE and the merge, against float64 LibTorch attention.
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include <algorithm>
 #include <random>

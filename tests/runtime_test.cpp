@@ -1,7 +1,7 @@
 // Tests of the course runtime itself: every P2P pattern and collective of cp::Comm against
 // expected values (local worlds of 1, 2, 3, 4, 8 ranks, or the mpirun world), the deadlock
 // watchdog, failure propagation, bad arguments, and the test oracle's own comparison.
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include <thread>
 

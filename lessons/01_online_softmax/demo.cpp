@@ -2,7 +2,9 @@
 //
 //   build/bin/lesson01_demo_learner    runs your code
 //   build/bin/lesson01_demo_solution   runs the solution (make demo)
-#include <torch/torch.h>
+#include <torch/cuda.h>
+#include <torch/types.h>
+#include <torch/utils.h>
 
 #include <chrono>
 #include <cstdio>

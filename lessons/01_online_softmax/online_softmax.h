@@ -4,7 +4,7 @@
 // and online_softmax.cu (task 4). This header is hand written and never generated.
 #pragma once
 
-#include <torch/torch.h>
+#include <torch/types.h>
 
 // Angle brackets on purpose: the include path, not this header's folder, decides whose
 // softmax_state.h is used (the learner's in the learner build, the solution's in the solution

@@ -5,7 +5,7 @@
 // of its own shard, normalised over the *whole* row. The learner writes ring_softmax.cpp.
 #pragma once
 
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include "common/comm.h"
 

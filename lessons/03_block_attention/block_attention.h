@@ -5,7 +5,7 @@
 // that partial results over different key blocks can be merged exactly.
 #pragma once
 
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include <optional>
 
@@ -25,6 +25,18 @@ struct AttnResult {
   torch::Tensor out;  ///< [B, Hq, Sq, D]
   torch::Tensor lse;  ///< [B, Hq, Sq] float32: log Σ_j exp(scale · q·k_j) over visible keys; −inf if none
 };
+
+/// Shapes of an attention call.
+struct AttentionShapes {
+  int64_t batch, heads_q, heads_kv, seq_q, seq_k, head_dim;
+};
+
+/// Checks q [B, Hq, Sq, D] and k, v [B, Hkv, Sk, D] (same dtype and device, Hq divisible by Hkv)
+/// and returns their shapes; errors name the argument.
+AttentionShapes check_attention_inputs(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v);
+
+/// The positions a mask gives (or 0 .. n−1 if undefined), checked: int64 [n] on `device`.
+torch::Tensor mask_positions(const torch::Tensor& given, int64_t n, torch::Device device, const char* arg);
 
 /// FlashAttention-style forward of q over one block of k/v.
 /// @param q      [B, Hq, Sq, D]

@@ -18,39 +18,6 @@ namespace {
 
 constexpr int64_t kBc = 32;  // keys per tile, as in the kernel
 
-struct Shapes {
-  int64_t batch, heads_q, heads_kv, seq_q, seq_k, head_dim;
-};
-
-Shapes check_inputs(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
-  check_defined(q, "q", 4);
-  check_defined(k, "k", 4);
-  check_defined(v, "v", 4);
-  CP_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v: expected [B, H, S, D] tensors, got q ",
-           q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
-  check_float_dtype(q, "q");
-  CP_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "k, v: dtype must be q's (",
-           q.dtype(), "), got k ", k.dtype(), ", v ", v.dtype());
-  CP_CHECK(k.device() == q.device() && v.device() == q.device(), "k, v: device must be q's (", q.device(),
-           "), got k ", k.device(), ", v ", v.device());
-  CP_CHECK(k.sizes() == v.sizes(), "v: shape must be k's ", k.sizes(), ", got ", v.sizes());
-  const Shapes s{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3)};
-  CP_CHECK(k.size(0) == s.batch, "k: batch ", k.size(0), " differs from q's ", s.batch);
-  CP_CHECK(k.size(3) == s.head_dim, "k: head dim ", k.size(3), " differs from q's ", s.head_dim);
-  CP_CHECK(s.heads_kv > 0 && s.heads_q % s.heads_kv == 0, "q, k: H_q (", s.heads_q,
-           ") must be divisible by H_kv (", s.heads_kv, ")");
-  return s;
-}
-
-/// The positions of `mask` (or 0..n−1), checked, int64 on `device`.
-torch::Tensor positions(const torch::Tensor& given, int64_t n, torch::Device device, const char* arg) {
-  if (!given.defined()) return torch::arange(n, torch::TensorOptions().dtype(torch::kLong).device(device));
-  CP_CHECK(given.dim() == 1 && given.size(0) == n && given.scalar_type() == torch::kLong, arg,
-           ": expected an int64 tensor of shape [", n, "], got ", given.dtype(), " ", given.sizes());
-  CP_CHECK(given.device() == device, arg, ": must be on ", device, " like q, got ", given.device());
-  return given.contiguous();
-}
-
 /// Task 2: attention of one query row over all keys, tile by tile, with the (m, l, O) state.
 /// q_row, out_row: [D]; k_head, v_head: [Sk, D]; o: scratch of D floats.
 template <typename T>
@@ -104,7 +71,7 @@ void attend_row(const T* q_row, const T* k_head, const T* v_head, const int64_t*
 
 AttnResult forward_cpu(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                        const torch::Tensor& q_pos, const torch::Tensor& k_pos, bool causal, float scale,
-                       const Shapes& s) {
+                       const AttentionShapes& s) {
   AttnResult result{torch::empty_like(q), torch::empty({s.batch, s.heads_q, s.seq_q}, q.options().dtype(torch::kFloat))};
   const int64_t group = s.heads_q / s.heads_kv;
   std::vector<float> o(s.head_dim);
@@ -132,7 +99,7 @@ AttnResult forward_cpu(const torch::Tensor& q, const torch::Tensor& k, const tor
 
 AttnResult forward_cuda(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                         const torch::Tensor& q_pos, const torch::Tensor& k_pos, bool causal, float scale,
-                        const Shapes& s) {
+                        const AttentionShapes& s) {
 #if CP_WITH_CUDA
   CP_CHECK(block_attention_supports_head_dim(s.head_dim), "q: head dim ", s.head_dim,
            " is not supported by the CUDA kernel (32, 64 or 128)");
@@ -157,12 +124,40 @@ void check_merge_operand(const torch::Tensor& t, const torch::Tensor& like, cons
 
 }  // namespace
 
+AttentionShapes check_attention_inputs(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+  check_defined(q, "q", 4);
+  check_defined(k, "k", 4);
+  check_defined(v, "v", 4);
+  CP_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v: expected [B, H, S, D] tensors, got q ",
+           q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
+  check_float_dtype(q, "q");
+  CP_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "k, v: dtype must be q's (",
+           q.dtype(), "), got k ", k.dtype(), ", v ", v.dtype());
+  CP_CHECK(k.device() == q.device() && v.device() == q.device(), "k, v: device must be q's (", q.device(),
+           "), got k ", k.device(), ", v ", v.device());
+  CP_CHECK(k.sizes() == v.sizes(), "v: shape must be k's ", k.sizes(), ", got ", v.sizes());
+  const AttentionShapes s{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3)};
+  CP_CHECK(k.size(0) == s.batch, "k: batch ", k.size(0), " differs from q's ", s.batch);
+  CP_CHECK(k.size(3) == s.head_dim, "k: head dim ", k.size(3), " differs from q's ", s.head_dim);
+  CP_CHECK(s.heads_kv > 0 && s.heads_q % s.heads_kv == 0, "q, k: H_q (", s.heads_q,
+           ") must be divisible by H_kv (", s.heads_kv, ")");
+  return s;
+}
+
+torch::Tensor mask_positions(const torch::Tensor& given, int64_t n, torch::Device device, const char* arg) {
+  if (!given.defined()) return torch::arange(n, torch::TensorOptions().dtype(torch::kLong).device(device));
+  CP_CHECK(given.dim() == 1 && given.size(0) == n && given.scalar_type() == torch::kLong, arg,
+           ": expected an int64 tensor of shape [", n, "], got ", given.dtype(), " ", given.sizes());
+  CP_CHECK(given.device() == device, arg, ": must be on ", device, " like q, got ", given.device());
+  return given.contiguous();
+}
+
 AttnResult attention_block_forward(const torch::Tensor& q_in, const torch::Tensor& k_in, const torch::Tensor& v_in,
                                    const AttentionMask& mask, std::optional<double> scale) {
-  const Shapes s = check_inputs(q_in, k_in, v_in);
+  const AttentionShapes s = check_attention_inputs(q_in, k_in, v_in);
   const torch::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
-  const torch::Tensor q_pos = positions(mask.q_positions, s.seq_q, q.device(), "mask.q_positions");
-  const torch::Tensor k_pos = positions(mask.k_positions, s.seq_k, q.device(), "mask.k_positions");
+  const torch::Tensor q_pos = mask_positions(mask.q_positions, s.seq_q, q.device(), "mask.q_positions");
+  const torch::Tensor k_pos = mask_positions(mask.k_positions, s.seq_k, q.device(), "mask.k_positions");
   const float softmax_scale = static_cast<float>(scale.value_or(1.0 / std::sqrt(static_cast<double>(s.head_dim))));
   if (q.is_cuda()) return forward_cuda(q, k, v, q_pos, k_pos, mask.causal, softmax_scale, s);
   return forward_cpu(q, k, v, q_pos, k_pos, mask.causal, softmax_scale, s);

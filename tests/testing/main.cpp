@@ -4,7 +4,8 @@
 // failures, prefixed with their rank. Rank 0 also writes one JSON line per test to the file
 // named by CP_RESULTS_JSON (read by tools/status and tools/compare) and prints a summary.
 #include <gtest/gtest.h>
-#include <torch/torch.h>
+#include <torch/types.h>
+#include <torch/utils.h>
 
 #include <cstdio>
 #include <cstdlib>

@@ -1,5 +1,7 @@
 #include "testing/oracle.h"
 
+#include <torch/csrc/autograd/autograd.h>
+
 #include <cmath>
 #include <limits>
 #include <mutex>
@@ -20,6 +22,12 @@ Tolerance tolerance_for(torch::ScalarType dtype) {
     case torch::kBFloat16: return {1e-3, 1.6e-2};
     default: return {0.0, 0.0};  // integers: exact
   }
+}
+
+Tolerance gradient_tolerance(torch::ScalarType dtype, const torch::Tensor& expected) {
+  const Tolerance base = tolerance_for(dtype);
+  const double scale = expected.numel() ? expected.abs().max().item<double>() : 0.0;
+  return {std::max(base.abs, base.rel * scale), base.rel};
 }
 
 namespace {
@@ -110,7 +118,8 @@ std::pair<torch::Tensor, torch::Tensor> oracle_attention(const torch::Tensor& q,
                                                          const torch::Tensor& v, bool causal,
                                                          const torch::Tensor& q_pos, const torch::Tensor& k_pos,
                                                          double scale) {
-  auto f64 = [](const torch::Tensor& t) { return t.detach().to(torch::kCPU, torch::kDouble); };
+  // Differentiable conversion: oracle_attention_grads runs autograd through this function.
+  auto f64 = [](const torch::Tensor& t) { return t.to(torch::kCPU, torch::kDouble); };
   const int64_t group = q.size(1) / k.size(1);
   const torch::Tensor k64 = f64(k).repeat_interleave(group, 1), v64 = f64(v).repeat_interleave(group, 1);
   torch::Tensor scores = torch::matmul(f64(q), k64.transpose(-1, -2)) * scale;  // [B, Hq, Sq, Sk]
@@ -118,10 +127,23 @@ std::pair<torch::Tensor, torch::Tensor> oracle_attention(const torch::Tensor& q,
     const torch::Tensor hidden = k_pos.cpu().view({1, -1}) > q_pos.cpu().view({-1, 1});  // [Sq, Sk]
     scores = scores.masked_fill(hidden, -INFINITY);
   }
-  const torch::Tensor lse = torch::logsumexp(scores, -1);
+  const torch::Tensor lse = torch::logsumexp(scores, -1).detach();
+  // Rows without a visible key: softmax of zeros instead of -inf (finite, so autograd stays
+  // finite too), then replaced by zeros.
   const torch::Tensor empty = (lse == -INFINITY).unsqueeze(-1);
-  const torch::Tensor p = torch::where(empty, torch::zeros_like(scores), torch::exp(scores - lse.unsqueeze(-1)));
+  const torch::Tensor p = torch::where(empty, torch::zeros_like(scores),
+                                       torch::softmax(torch::where(empty, torch::zeros_like(scores), scores), -1));
   return {torch::matmul(p, v64), lse};
+}
+
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> oracle_attention_grads(
+    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& dout, bool causal,
+    const torch::Tensor& q_pos, const torch::Tensor& k_pos, double scale) {
+  auto leaf = [](const torch::Tensor& t) { return t.detach().to(torch::kCPU, torch::kDouble).requires_grad_(true); };
+  const torch::Tensor q64 = leaf(q), k64 = leaf(k), v64 = leaf(v);
+  const torch::Tensor out = oracle_attention(q64, k64, v64, causal, q_pos, k_pos, scale).first;
+  const auto grads = torch::autograd::grad({(out * dout.to(torch::kCPU, torch::kDouble)).sum()}, {q64, k64, v64});
+  return {grads[0], grads[1], grads[2]};
 }
 
 torch::Tensor random_with_outliers(std::vector<int64_t> shape, uint64_t seed, double scale, double outlier) {

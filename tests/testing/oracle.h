@@ -2,7 +2,7 @@
 #pragma once
 
 #include <gtest/gtest.h>
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include <optional>
 #include <string>
@@ -19,6 +19,12 @@ struct Tolerance {
 /// The one tolerance table of the course, by the dtype of the result under test (see oracle.cpp
 /// for why each value is what it is).
 Tolerance tolerance_for(torch::ScalarType dtype);
+
+/// The tolerance for a gradient: the dtype's, with the absolute part scaled by the largest
+/// |element| of `expected`. A gradient element is a sum of terms of both signs (dS = P∘(dP − D)
+/// sums to zero over each row), so its rounding error follows the size of the terms, not of
+/// the element: a near-zero element of dK carries the absolute error of its large neighbours.
+Tolerance gradient_tolerance(torch::ScalarType dtype, const torch::Tensor& expected);
 
 /// Compares `actual` (any dtype/device) with `expected` (the float64 oracle) elementwise.
 /// -inf matches -inf; NaN never matches. On failure the message gives the number of wrong
@@ -43,6 +49,11 @@ std::pair<torch::Tensor, torch::Tensor> oracle_attention(const torch::Tensor& q,
                                                          const torch::Tensor& v, bool causal,
                                                          const torch::Tensor& q_pos, const torch::Tensor& k_pos,
                                                          double scale);
+
+/// Gradients (dq, dk, dv) in float64 of sum(out · dout) for oracle_attention's out, by autograd.
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> oracle_attention_grads(
+    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& dout, bool causal,
+    const torch::Tensor& q_pos, const torch::Tensor& k_pos, double scale);
 
 /// Random float32 values ~ N(0, scale²) of the given shape with a fixed seed, plus a few
 /// outliers of ±outlier (one in every ~64 elements) to stress the max-shift; outlier = 0

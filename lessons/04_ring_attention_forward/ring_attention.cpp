@@ -1,0 +1,75 @@
+// Lesson 04 — ring attention forward: K/V chunks go around the ring while each rank computes.
+#include "ring_attention.h"
+
+#include <utility>
+
+#include "common/error.h"
+#include "common/tensor_checks.h"
+
+namespace cp {
+
+torch::Tensor contiguous_positions(int rank, int64_t chunk, torch::Device device) {
+  return torch::arange(rank * chunk, (rank + 1) * chunk, torch::TensorOptions().dtype(torch::kLong).device(device));
+}
+
+void check_same_on_every_rank(Comm& comm, const torch::Tensor& t, const char* arg) {
+  // [dim, sizes..., dtype] padded to a fixed length, gathered from every rank.
+  constexpr int64_t kFields = 8;
+  std::vector<int64_t> mine(kFields, -1);
+  mine[0] = t.dim();
+  for (int64_t d = 0; d < t.dim() && d + 2 < kFields; ++d) mine[d + 1] = t.size(d);
+  mine[kFields - 1] = static_cast<int64_t>(t.scalar_type());
+  const torch::Tensor all = comm.all_gather(torch::tensor(mine, torch::kLong));  // [N * kFields]
+  const torch::Tensor rows = all.view({comm.size(), kFields});
+  for (int r = 0; r < comm.size(); ++r) {
+    if (torch::equal(rows[r], rows[comm.rank()])) continue;
+    const torch::Tensor theirs = rows[r].narrow(0, 1, rows[r][0].item<int64_t>());
+    CP_FAIL(arg, ": every rank must pass the same shape and dtype; rank ", comm.rank(), " has ", t.sizes(), " ",
+            t.dtype(), ", rank ", r, " has ", torch::IntArrayRef(theirs.data_ptr<int64_t>(), theirs.numel()), " ",
+            c10::ScalarType(rows[r][kFields - 1].item<int64_t>()), ". Is S divisible by N = ", comm.size(), "?");
+  }
+}
+
+namespace {
+
+/// What the block of step t needs from the mask, on the contiguous layout.
+enum class StepKind { Diagonal, Full, Skipped };
+
+StepKind step_kind(int rank, int source, bool causal) {
+  if (!causal) return StepKind::Full;
+  if (source == rank) return StepKind::Diagonal;               // own chunk: causal inside it
+  return source < rank ? StepKind::Full : StepKind::Skipped;   // earlier chunk: all visible; later: none
+}
+
+}  // namespace
+
+RingResult ring_attention_forward(Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                  const RingOptions& options) {
+  check_defined(q, "q", 4);
+  check_defined(k, "k", 4);
+  check_defined(v, "v", 4);
+  CP_CHECK(k.sizes() == v.sizes(), "v: shape must be k's ", k.sizes(), ", got ", v.sizes());
+  check_same_on_every_rank(comm, q, "q");
+  check_same_on_every_rank(comm, k, "k");
+  const int rank = comm.rank(), n = comm.size();
+  const int64_t chunk = q.size(2);
+  CP_CHECK(k.size(2) == chunk, "k: every rank holds S/N tokens of q, k and v; q has ", chunk, ", k has ", k.size(2));
+  const torch::Tensor q_pos = contiguous_positions(rank, chunk, q.device());
+
+  RingResult result;
+  // BEGIN YOUR CODE task 1: the ring loop
+  // TODO(lesson 04, task 1): float32 accumulators out (zeros) and lse (-inf). The chunk in hand
+  // starts as the caller's k, v (never write into them); arriving chunks alternate between two
+  // buffers of your own (receive into one while computing on the other). For t = 0 … N−1, the current chunk comes from rank
+  // (r − t) mod N. (a) If t < N−1 and options.overlap: start() the exchange — send the current
+  // chunk to r+1, receive the next from r−1 — before computing. (b) Unless step_kind says
+  // Skipped: attention_block_forward with the chunk's positions and merge_attention into the
+  // accumulators. (c) Without overlap, do the exchange now; then wait: the arrived chunk is current.
+  // Fill result.stats; out in q's dtype at the end. Record TraceSpans if options.trace is set.
+  (void)options, (void)q_pos, (void)rank, (void)n;
+  throw NotImplemented("lesson 04, task 1: the ring loop");
+  // END YOUR CODE
+  return result;
+}
+
+}  // namespace cp

@@ -1,0 +1,56 @@
+// Lesson 04 — ring attention forward: the contract the tests use.
+//
+// The sequence is split contiguously over the N ranks of `comm`: rank r holds tokens
+// [r·S/N, (r+1)·S/N) of q, k and v. K/V chunks travel around the ring (r sends to r+1, receives
+// from r−1) while every rank attends its queries to the chunk it currently holds and merges the
+// block results with lesson 03's merge. The learner writes ring_attention.cpp.
+#pragma once
+
+#include <torch/types.h>
+
+#include <optional>
+
+#include "block_attention.h"
+#include "common/comm.h"
+#include "common/trace.h"
+
+namespace cp {
+
+/// Options of the ring attention forward and backward.
+struct RingOptions {
+  bool causal = false;
+  std::optional<double> scale;  ///< default 1/sqrt(D)
+  /// Start the exchange of the next K/V chunk before computing on the current one (double
+  /// buffering). Off: compute, then exchange. The results are identical; only time differs.
+  bool overlap = true;
+  Trace* trace = nullptr;  ///< if set, compute and communication spans are recorded in it
+};
+
+/// What one rank did.
+struct RingStats {
+  int steps_computed = 0;  ///< ring steps whose block was computed
+  int steps_skipped = 0;   ///< causal: steps whose K/V chunk lies entirely after this rank's queries
+  int64_t bytes_sent = 0;  ///< payload this rank sent
+};
+
+/// This rank's share of full attention over the whole sequence.
+struct RingResult {
+  torch::Tensor out;  ///< [B, Hq, S/N, D], dtype of q
+  torch::Tensor lse;  ///< [B, Hq, S/N] float32
+  RingStats stats;
+};
+
+/// Ring attention forward on this rank's contiguous shard.
+/// @param q     [B, Hq, S/N, D]; k, v [B, Hkv, S/N, D] (GQA: Hq divisible by Hkv). Every rank must
+///              pass the same shapes (S divisible by N), dtype and device kind.
+RingResult ring_attention_forward(Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                  const RingOptions& options = {});
+
+/// The global positions of rank `rank`'s contiguous chunk of `chunk` tokens: rank·chunk + 0 .. chunk−1.
+torch::Tensor contiguous_positions(int rank, int64_t chunk, torch::Device device);
+
+/// Checks that every rank passes tensors of the same shape and dtype as this one, with a clear
+/// cp::Error naming `arg` otherwise (a shape differing between ranks usually means S % N != 0).
+void check_same_on_every_rank(Comm& comm, const torch::Tensor& t, const char* arg);
+
+}  // namespace cp

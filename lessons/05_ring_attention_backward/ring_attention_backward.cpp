@@ -1,0 +1,37 @@
+// Lesson 05, task 3 — ring attention backward: K/V rotate as in the forward, dQ stays home, and
+// the dK/dV accumulators travel with their K/V chunk, arriving home after N hops.
+#include "common/error.h"
+#include "common/tensor_checks.h"
+#include "ring_attention_backward.h"
+
+namespace cp {
+
+RingGrads ring_attention_backward(Comm& comm, const torch::Tensor& dout, const torch::Tensor& q, const torch::Tensor& k,
+                                  const torch::Tensor& v, const torch::Tensor& out, const torch::Tensor& lse,
+                                  const RingOptions& options) {
+  check_attention_inputs(q, k, v);
+  CP_CHECK(lse.defined() && lse.sizes() == q.sizes().slice(0, 3), "lse: expected shape ", q.sizes().slice(0, 3),
+           " ([B, Hq, S/N] of q), got ", lse.defined() ? lse.sizes() : torch::IntArrayRef{});
+  check_same_on_every_rank(comm, q, "q");
+  check_same_on_every_rank(comm, k, "k");
+  const int rank = comm.rank(), n = comm.size();
+  const int64_t chunk = q.size(2);
+  CP_CHECK(k.size(2) == chunk, "k: every rank holds S/N tokens of q, k and v; q has ", chunk, ", k has ", k.size(2));
+  const torch::Tensor q_pos = contiguous_positions(rank, chunk, q.device());
+  const int next = (rank + 1) % n, prev = (rank - 1 + n) % n;
+
+  RingGrads result;
+  // BEGIN YOUR CODE task 3: the backward ring
+  // TODO(lesson 05, task 3): dq (float32 zeros) stays here. The current K/V chunk comes with
+  // float32 accumulators dk, dv (zeros at first). At step t = 0 … N−1 (chunk of rank (r − t) mod N):
+  // start the K/V exchange for the next step (t < N−1; before computing if options.overlap),
+  // unless causal-skipped add attention_block_backward's grads into dq, dk, dv; then send dk, dv
+  // to r+1 with their chunk and receive the accumulators of the arriving chunk from r−1 — also
+  // after the last step: that hop brings your own chunk's gradients home. Fill result.stats.
+  (void)dout, (void)out, (void)options, (void)q_pos, (void)next, (void)prev;
+  throw NotImplemented("lesson 05, task 3: ring_attention_backward");
+  // END YOUR CODE
+  return result;
+}
+
+}  // namespace cp

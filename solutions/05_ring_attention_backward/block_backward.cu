@@ -1,0 +1,282 @@
+// Lesson 05, task 2 — the block backward on the GPU, as two kernels without atomics:
+//   dq_kernel    owns query rows (like the forward): loops over key tiles, accumulates dQ;
+//   dkdv_kernel  owns key rows: loops over the query heads of its GQA group and over query
+//                tiles, accumulates dK and dV.
+// Each output element is written by exactly one thread, so the result is deterministic; the
+// price is that both kernels recompute P = exp(scale·q·k − lse) and dP = dO·v.
+#include <climits>
+
+#include "block_backward.cuh"
+#include "common/cuda_check.h"
+#include "common/error.h"
+#include "kernels/dtype.cuh"
+#include "kernels/warp.cuh"
+
+namespace cp {
+namespace {
+
+using kernels::kFullWarp;
+
+constexpr int kRows = 64;  // rows (queries for dQ, keys for dK/dV) owned per block
+constexpr int kTile = 32;  // rows of the other side streamed through shared memory per step
+
+/// Each owned row is split over a group of D/kSlice threads; kSlice + 1 floats of padding per
+/// slice in shared memory put the group's threads on different banks.
+template <int D, int kSlice>
+struct Layout {
+  static constexpr int kGroup = D / kSlice;
+  static constexpr int kStride = kGroup * (kSlice + 1);  // floats per tile row in shared memory
+  static __device__ __forceinline__ int at(int row, int dim) {
+    return row * kStride + (dim / kSlice) * (kSlice + 1) + dim % kSlice;
+  }
+};
+
+/// Sum over the kGroup adjacent threads of a row group (all lanes get the total).
+template <int kGroup>
+__device__ __forceinline__ float group_sum(float x) {
+#pragma unroll
+  for (int offset = kGroup / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(kFullWarp, x, offset);
+  return x;
+}
+
+/// Loads rows [row0, row0 + n) of a [rows, D] matrix into a padded float tile (zeros past n).
+template <typename T, int D, int kSlice>
+__device__ void load_tile(float* tile, const T* src, int64_t row0, int n) {
+  for (int idx = threadIdx.x; idx < kTile * D; idx += blockDim.x) {
+    const int r = idx / D, d = idx % D;
+    tile[Layout<D, kSlice>::at(r, d)] = r < n ? kernels::to_float(src[(row0 + r) * D + d]) : 0.0f;
+  }
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kRows * (D / 32))
+    dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ dout,
+              const float* __restrict__ lse, const float* __restrict__ delta, const int64_t* __restrict__ q_pos,
+              const int64_t* __restrict__ k_pos, float* __restrict__ dq, BlockAttentionParams p) {
+  constexpr int kSlice = 32;
+  using L = Layout<D, kSlice>;
+  extern __shared__ float smem[];
+  float* k_tile = smem;                   // [kTile][kStride]
+  float* v_tile = smem + kTile * L::kStride;
+  __shared__ int64_t kpos_tile[kTile];
+  __shared__ int64_t block_max_q_pos;
+
+  const int64_t bh = blockIdx.x, b = bh / p.heads_q, h = bh % p.heads_q;
+  const int64_t bh_kv = b * p.heads_kv + h / (p.heads_q / p.heads_kv);
+  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kRows;
+  const int g = threadIdx.x % L::kGroup;
+  const int64_t i = row0 + threadIdx.x / L::kGroup;
+  const bool active = i < p.seq_q;
+
+  float q_reg[kSlice], do_reg[kSlice], dq_acc[kSlice];
+  for (int d = 0; d < kSlice; ++d) {
+    const int64_t at = (bh * p.seq_q + i) * D + g * kSlice + d;
+    q_reg[d] = active ? kernels::to_float(q[at]) * p.scale : 0.0f;
+    do_reg[d] = active ? kernels::to_float(dout[at]) : 0.0f;
+    dq_acc[d] = 0.0f;
+  }
+  const float lse_i = active ? lse[bh * p.seq_q + i] : -INFINITY;
+  const float delta_i = active ? delta[bh * p.seq_q + i] : 0.0f;
+  const int64_t my_pos = active ? q_pos[i] : LLONG_MIN;
+  if (threadIdx.x == 0) {
+    int64_t max_pos = LLONG_MIN;
+    for (int r = 0; r < kRows && row0 + r < p.seq_q; ++r) max_pos = q_pos[row0 + r] > max_pos ? q_pos[row0 + r] : max_pos;
+    block_max_q_pos = max_pos;
+  }
+
+  for (int64_t j0 = 0; j0 < p.seq_k; j0 += kTile) {
+    const int n = p.seq_k - j0 < kTile ? static_cast<int>(p.seq_k - j0) : kTile;
+    if (threadIdx.x < kTile) kpos_tile[threadIdx.x] = threadIdx.x < n ? k_pos[j0 + threadIdx.x] : LLONG_MAX;
+    __syncthreads();  // kpos_tile and block_max_q_pos are visible
+    if (p.causal) {
+      int64_t min_k_pos = LLONG_MAX;
+      for (int jj = 0; jj < n; ++jj) min_k_pos = kpos_tile[jj] < min_k_pos ? kpos_tile[jj] : min_k_pos;
+      if (min_k_pos > block_max_q_pos) {  // every key of the tile is after every query of the block
+        __syncthreads();                  // nobody rewrites kpos_tile while others still read it
+        continue;
+      }
+    }
+    load_tile<T, D, kSlice>(k_tile, k + bh_kv * p.seq_k * D, j0, n);
+    load_tile<T, D, kSlice>(v_tile, v + bh_kv * p.seq_k * D, j0, n);
+    __syncthreads();  // the tiles are complete
+
+    // BEGIN SOLUTION task 2: dQ of one key tile
+    // STUB: // TODO(lesson 05, task 2): for each key jj: s = q_reg·k (group_sum), p = exp(s − lse_i) if the
+    // STUB: // key is visible and lse_i > -inf (else 0), dp = do_reg·v (group_sum), ds = p·(dp − delta_i),
+    // STUB: // dq_acc += ds·k. (q_reg already carries the scale; dQ gets it once more at the end.)
+    // STUB: (void)lse_i, (void)delta_i, (void)my_pos, (void)q_reg, (void)do_reg;
+    for (int jj = 0; jj < kTile; ++jj) {
+      const float* k_row = k_tile + L::at(jj, g * kSlice);
+      const float* v_row = v_tile + L::at(jj, g * kSlice);
+      float s = 0.0f, dp = 0.0f;
+#pragma unroll
+      for (int d = 0; d < kSlice; ++d) {
+        s += q_reg[d] * k_row[d];
+        dp += do_reg[d] * v_row[d];
+      }
+      s = group_sum<L::kGroup>(s);
+      dp = group_sum<L::kGroup>(dp);
+      const bool visible = jj < n && lse_i > -INFINITY && (!p.causal || kpos_tile[jj] <= my_pos);
+      const float ds = visible ? expf(s - lse_i) * (dp - delta_i) : 0.0f;
+#pragma unroll
+      for (int d = 0; d < kSlice; ++d) dq_acc[d] += ds * k_row[d];
+    }
+    // END SOLUTION
+    __syncthreads();  // done with the tiles before the next iteration overwrites them
+  }
+  if (!active) return;
+  for (int d = 0; d < kSlice; ++d) dq[(bh * p.seq_q + i) * D + g * kSlice + d] = dq_acc[d] * p.scale;
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kRows * (D / 16))
+    dkdv_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+                const int64_t* __restrict__ q_pos, const int64_t* __restrict__ k_pos, float* __restrict__ dk,
+                float* __restrict__ dv, BlockAttentionParams p) {
+  constexpr int kSlice = 16;  // four accumulators per row (k, v, dk, dv): smaller slices, fewer registers
+  using L = Layout<D, kSlice>;
+  extern __shared__ float smem[];
+  float* q_tile = smem;                    // [kTile][kStride]
+  float* do_tile = smem + kTile * L::kStride;
+  __shared__ float lse_tile[kTile], delta_tile[kTile];
+  __shared__ int64_t qpos_tile[kTile];
+  __shared__ int64_t block_min_k_pos;
+
+  const int64_t bkv = blockIdx.x, b = bkv / p.heads_kv, h_kv = bkv % p.heads_kv;
+  const int64_t group = p.heads_q / p.heads_kv;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kRows;
+  const int g = threadIdx.x % L::kGroup;
+  const int64_t j = row0 + threadIdx.x / L::kGroup;
+  const bool active = j < p.seq_k;
+
+  float k_reg[kSlice], v_reg[kSlice], dk_acc[kSlice], dv_acc[kSlice];
+  for (int d = 0; d < kSlice; ++d) {
+    const int64_t at = (bkv * p.seq_k + j) * D + g * kSlice + d;
+    k_reg[d] = active ? kernels::to_float(k[at]) * p.scale : 0.0f;
+    v_reg[d] = active ? kernels::to_float(v[at]) : 0.0f;
+    dk_acc[d] = dv_acc[d] = 0.0f;
+  }
+  const int64_t my_pos = active ? k_pos[j] : LLONG_MAX;
+  if (threadIdx.x == 0) {
+    int64_t min_pos = LLONG_MAX;
+    for (int r = 0; r < kRows && row0 + r < p.seq_k; ++r) min_pos = k_pos[row0 + r] < min_pos ? k_pos[row0 + r] : min_pos;
+    block_min_k_pos = min_pos;
+  }
+
+  for (int64_t hq = b * p.heads_q + h_kv * group; hq < b * p.heads_q + (h_kv + 1) * group; ++hq) {
+    for (int64_t i0 = 0; i0 < p.seq_q; i0 += kTile) {
+      const int n = p.seq_q - i0 < kTile ? static_cast<int>(p.seq_q - i0) : kTile;
+      if (threadIdx.x < kTile) {
+        const bool in = threadIdx.x < n;
+        qpos_tile[threadIdx.x] = in ? q_pos[i0 + threadIdx.x] : LLONG_MIN;
+        lse_tile[threadIdx.x] = in ? lse[hq * p.seq_q + i0 + threadIdx.x] : -INFINITY;
+        delta_tile[threadIdx.x] = in ? delta[hq * p.seq_q + i0 + threadIdx.x] : 0.0f;
+      }
+      __syncthreads();  // the query tile's positions, lse and delta are visible
+      if (p.causal) {
+        int64_t max_q_pos = LLONG_MIN;
+        for (int ii = 0; ii < n; ++ii) max_q_pos = qpos_tile[ii] > max_q_pos ? qpos_tile[ii] : max_q_pos;
+        if (max_q_pos < block_min_k_pos) {  // every query of the tile is before every key of the block
+          __syncthreads();                  // nobody rewrites the tile arrays while others still read them
+          continue;
+        }
+      }
+      load_tile<T, D, kSlice>(q_tile, q + hq * p.seq_q * D, i0, n);
+      load_tile<T, D, kSlice>(do_tile, dout + hq * p.seq_q * D, i0, n);
+      __syncthreads();  // the tiles are complete
+
+      // BEGIN SOLUTION task 2: dK and dV of one query tile
+      // STUB: // TODO(lesson 05, task 2): for each query ii: s = k_reg·q (group_sum; k_reg carries the
+      // STUB: // scale), p = exp(s − lse) if visible (causal: my_pos <= qpos_tile[ii]) and lse > -inf,
+      // STUB: // dv_acc += p·dO, dp = v_reg·dO (group_sum), ds = p·(dp − delta), dk_acc += ds·q.
+      // STUB: (void)my_pos, (void)k_reg, (void)v_reg;
+      for (int ii = 0; ii < kTile; ++ii) {
+        const float* q_row = q_tile + L::at(ii, g * kSlice);
+        const float* do_row = do_tile + L::at(ii, g * kSlice);
+        float s = 0.0f, dp = 0.0f;
+#pragma unroll
+        for (int d = 0; d < kSlice; ++d) {
+          s += k_reg[d] * q_row[d];
+          dp += v_reg[d] * do_row[d];
+        }
+        s = group_sum<L::kGroup>(s);
+        dp = group_sum<L::kGroup>(dp);
+        const bool visible = ii < n && lse_tile[ii] > -INFINITY && (!p.causal || my_pos <= qpos_tile[ii]);
+        const float prob = visible ? expf(s - lse_tile[ii]) : 0.0f;
+        const float ds = prob * (dp - delta_tile[ii]);
+#pragma unroll
+        for (int d = 0; d < kSlice; ++d) {
+          dv_acc[d] += prob * do_row[d];
+          dk_acc[d] += ds * q_row[d];
+        }
+      }
+      // END SOLUTION
+      __syncthreads();  // done with the tiles before the next iteration overwrites them
+    }
+  }
+  if (!active) return;
+  for (int d = 0; d < kSlice; ++d) {
+    const int64_t at = (bkv * p.seq_k + j) * D + g * kSlice + d;
+    dk[at] = dk_acc[d] * p.scale;
+    dv[at] = dv_acc[d];
+  }
+}
+
+template <typename T, int D>
+void launch(const void* q, const void* k, const void* v, const void* dout, const float* lse, const float* delta,
+            const int64_t* q_pos, const int64_t* k_pos, float* dq, float* dk, float* dv, const BlockAttentionParams& p,
+            cudaStream_t stream) {
+  constexpr size_t dq_smem = 2 * kTile * Layout<D, 32>::kStride * sizeof(float);
+  constexpr size_t dkdv_smem = 2 * kTile * Layout<D, 16>::kStride * sizeof(float);
+  int device = 0, max_shared = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&max_shared, cudaDevAttrMaxSharedMemoryPerBlock, device));
+  CP_CHECK(dq_smem <= static_cast<size_t>(max_shared) && dkdv_smem <= static_cast<size_t>(max_shared),
+           "block backward: the tiles need ", dq_smem, " and ", dkdv_smem, " bytes of shared memory, the device allows ",
+           max_shared);
+  const auto* tq = static_cast<const T*>(q);
+  const auto* tk = static_cast<const T*>(k);
+  const auto* tv = static_cast<const T*>(v);
+  const auto* tdo = static_cast<const T*>(dout);
+  // BEGIN SOLUTION task 2: launch both kernels
+  // STUB: // TODO(lesson 05, task 2): dq_kernel on (B·Hq, ⌈Sq/kRows⌉) blocks of kRows·D/32 threads with
+  // STUB: // dq_smem bytes; dkdv_kernel on (B·Hkv, ⌈Sk/kRows⌉) blocks of kRows·D/16 threads with
+  // STUB: // dkdv_smem bytes; both on `stream`, each launch checked.
+  // STUB: (void)tq, (void)tk, (void)tv, (void)tdo, (void)lse, (void)delta, (void)q_pos, (void)k_pos, (void)dq, (void)dk,
+  // STUB: (void)dv, (void)p, (void)stream;
+  // STUB: throw NotImplemented("lesson 05, task 2: launch the backward kernels");
+  if (p.seq_q > 0) {
+    const dim3 grid(static_cast<unsigned>(p.batch * p.heads_q), static_cast<unsigned>((p.seq_q + kRows - 1) / kRows));
+    dq_kernel<T, D><<<grid, kRows * (D / 32), dq_smem, stream>>>(tq, tk, tv, tdo, lse, delta, q_pos, k_pos, dq, p);
+    CUDA_CHECK_LAUNCH();
+  }
+  if (p.seq_k > 0) {
+    const dim3 grid(static_cast<unsigned>(p.batch * p.heads_kv), static_cast<unsigned>((p.seq_k + kRows - 1) / kRows));
+    dkdv_kernel<T, D><<<grid, kRows * (D / 16), dkdv_smem, stream>>>(tq, tk, tv, tdo, lse, delta, q_pos, k_pos, dk, dv, p);
+    CUDA_CHECK_LAUNCH();
+  }
+  // END SOLUTION
+}
+
+}  // namespace
+
+void launch_block_attention_backward(const void* q, const void* k, const void* v, const void* dout, const float* lse,
+                                     const float* delta, const int64_t* q_pos, const int64_t* k_pos, float* dq,
+                                     float* dk, float* dv, const BlockAttentionParams& p, DType dtype,
+                                     cudaStream_t stream) {
+  CP_CHECK(block_attention_supports_head_dim(p.head_dim), "block backward: unsupported head dim ", p.head_dim);
+  CP_CHECK((p.seq_q + kRows - 1) / kRows <= 65535 && (p.seq_k + kRows - 1) / kRows <= 65535,
+           "block backward: sequence too long for one launch (Sq = ", p.seq_q, ", Sk = ", p.seq_k, ")");
+  if (p.batch * p.heads_q == 0) return;
+  kernels::dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    switch (p.head_dim) {
+      case 32: launch<T, 32>(q, k, v, dout, lse, delta, q_pos, k_pos, dq, dk, dv, p, stream); break;
+      case 64: launch<T, 64>(q, k, v, dout, lse, delta, q_pos, k_pos, dq, dk, dv, p, stream); break;
+      case 128: launch<T, 128>(q, k, v, dout, lse, delta, q_pos, k_pos, dq, dk, dv, p, stream); break;
+    }
+  });
+}
+
+}  // namespace cp

@@ -1,0 +1,87 @@
+// Lesson 05, task 3 — ring attention backward: K/V rotate as in the forward, dQ stays home, and
+// the dK/dV accumulators travel with their K/V chunk, arriving home after N hops.
+#include "common/error.h"
+#include "common/tensor_checks.h"
+#include "ring_attention_backward.h"
+
+namespace cp {
+
+RingGrads ring_attention_backward(Comm& comm, const torch::Tensor& dout, const torch::Tensor& q, const torch::Tensor& k,
+                                  const torch::Tensor& v, const torch::Tensor& out, const torch::Tensor& lse,
+                                  const RingOptions& options) {
+  check_attention_inputs(q, k, v);
+  CP_CHECK(lse.defined() && lse.sizes() == q.sizes().slice(0, 3), "lse: expected shape ", q.sizes().slice(0, 3),
+           " ([B, Hq, S/N] of q), got ", lse.defined() ? lse.sizes() : torch::IntArrayRef{});
+  check_same_on_every_rank(comm, q, "q");
+  check_same_on_every_rank(comm, k, "k");
+  const int rank = comm.rank(), n = comm.size();
+  const int64_t chunk = q.size(2);
+  CP_CHECK(k.size(2) == chunk, "k: every rank holds S/N tokens of q, k and v; q has ", chunk, ", k has ", k.size(2));
+  const torch::Tensor q_pos = contiguous_positions(rank, chunk, q.device());
+  const int next = (rank + 1) % n, prev = (rank - 1 + n) % n;
+
+  RingGrads result;
+  // BEGIN SOLUTION task 3: the backward ring
+  // STUB: // TODO(lesson 05, task 3): dq (float32 zeros) stays here. The current K/V chunk comes with
+  // STUB: // float32 accumulators dk, dv (zeros at first). At step t = 0 … N−1 (chunk of rank (r − t) mod N):
+  // STUB: // start the K/V exchange for the next step (t < N−1; before computing if options.overlap),
+  // STUB: // unless causal-skipped add attention_block_backward's grads into dq, dk, dv; then send dk, dv
+  // STUB: // to r+1 with their chunk and receive the accumulators of the arriving chunk from r−1 — also
+  // STUB: // after the last step: that hop brings your own chunk's gradients home. Fill result.stats.
+  // STUB: (void)dout, (void)out, (void)options, (void)q_pos, (void)next, (void)prev;
+  // STUB: throw NotImplemented("lesson 05, task 3: ring_attention_backward");
+  const auto f32 = q.options().dtype(torch::kFloat);
+  torch::Tensor dq = torch::zeros(q.sizes(), f32);
+  // As in the forward: the caller's k, v are only read; arriving chunks alternate between two
+  // buffers of our own. The accumulators are ours from the start, so they simply swap.
+  torch::Tensor k_cur = k.contiguous(), v_cur = v.contiguous();
+  torch::Tensor k_buf[2] = {torch::empty_like(k_cur), torch::empty_like(k_cur)};
+  torch::Tensor v_buf[2] = {torch::empty_like(v_cur), torch::empty_like(v_cur)};
+  torch::Tensor dk_cur = torch::zeros(k.sizes(), f32), dv_cur = torch::zeros(k.sizes(), f32);
+  torch::Tensor dk_next = torch::empty_like(dk_cur), dv_next = torch::empty_like(dv_cur);
+  auto start_kv_exchange = [&](int t) {
+    result.stats.bytes_sent += 2 * k_cur.numel() * k_cur.element_size();
+    TraceSpan span(options.trace, rank, "comm", "start K/V step " + std::to_string(t));
+    return comm.start({P2POp::send(k_cur, next), P2POp::send(v_cur, next), P2POp::recv(k_buf[t % 2], prev),
+                       P2POp::recv(v_buf[t % 2], prev)});
+  };
+  for (int t = 0; t < n; ++t) {
+    const int source = (rank - t + n) % n;
+    const bool more_kv = t < n - 1;
+    Request kv;
+    if (more_kv && options.overlap) kv = start_kv_exchange(t);
+    if (options.causal && source > rank) {
+      ++result.stats.steps_skipped;  // the chunk is after all our queries; its accumulators still move on
+    } else {
+      TraceSpan compute(options.trace, rank, "compute", "backward block of rank " + std::to_string(source));
+      const AttentionMask mask{options.causal && source == rank, q_pos, contiguous_positions(source, chunk, q.device())};
+      const AttnGrads g = attention_block_backward(dout, q, k_cur, v_cur, out, lse, mask, options.scale);
+      dq.add_(g.dq);
+      dk_cur.add_(g.dk);
+      dv_cur.add_(g.dv);
+      ++result.stats.steps_computed;
+    }
+    if (more_kv && !options.overlap) kv = start_kv_exchange(t);
+    // The accumulators can only leave once this step has added to them.
+    result.stats.bytes_sent += 2 * dk_cur.numel() * dk_cur.element_size();
+    Request grads = comm.start({P2POp::send(dk_cur, next), P2POp::send(dv_cur, next), P2POp::recv(dk_next, prev),
+                                P2POp::recv(dv_next, prev)});
+    {
+      TraceSpan wait(options.trace, rank, "comm", "wait step " + std::to_string(t));
+      kv.wait();
+      grads.wait();
+    }
+    k_cur = k_buf[t % 2];  // after the last step unused: no K/V arrived
+    v_cur = v_buf[t % 2];
+    std::swap(dk_cur, dk_next);
+    std::swap(dv_cur, dv_next);
+  }
+  // After N hops the accumulators in hand are those of this rank's own chunk.
+  result.dq = dq.to(q.scalar_type());
+  result.dk = dk_cur.to(k.scalar_type());
+  result.dv = dv_cur.to(v.scalar_type());
+  // END SOLUTION
+  return result;
+}
+
+}  // namespace cp

@@ -1,0 +1,175 @@
+// Lesson 04 — ring attention forward: each rank's (out, lse) against float64 attention over the
+// whole sequence, on local worlds of 1, 2, 3, 4, 8 ranks or the mpirun world.
+#include <torch/types.h>
+
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include "common/error.h"
+#include "common/world.h"
+#include "ring_attention.h"
+#include "testing/harness.h"
+#include "testing/oracle.h"
+
+namespace cp {
+namespace {
+
+using testing::all_close;
+using testing::for_each_world;
+using testing::oracle_attention;
+
+struct Problem {
+  int64_t batch, heads_q, heads_kv, chunk, head_dim;  // chunk = S / N, not a multiple of the tiles
+};
+
+struct Sequence {
+  torch::Tensor q, k, v;  // whole sequence [B, H, S, D], the same on every rank (fixed seed)
+};
+
+Sequence make_sequence(const Problem& p, int world, uint64_t seed) {
+  torch::Generator gen = at::detail::createCPUGenerator(seed);
+  const int64_t s = p.chunk * world;
+  return {torch::randn({p.batch, p.heads_q, s, p.head_dim}, gen), torch::randn({p.batch, p.heads_kv, s, p.head_dim}, gen),
+          torch::randn({p.batch, p.heads_kv, s, p.head_dim}, gen)};
+}
+
+torch::Tensor shard(const torch::Tensor& t, const Comm& comm, int dim = 2) {
+  const int64_t chunk = t.size(dim) / comm.size();
+  return t.narrow(dim, comm.rank() * chunk, chunk);
+}
+
+const std::vector<Problem> kProblems = {{1, 2, 2, 37, 32}, {2, 4, 2, 33, 64}};
+
+CP_TEST(Lesson04, Task1_ForwardMatchesFullAttention) {
+  for_each_world([](Comm& comm) {
+    for (const Problem& p : kProblems) {
+      for (bool causal : {false, true}) {
+        const Sequence seq = make_sequence(p, comm.size(), 7 + p.chunk);
+        const int64_t s = seq.q.size(2);
+        const auto [out, lse] = oracle_attention(seq.q, seq.k, seq.v, causal, torch::arange(s), torch::arange(s),
+                                                 1.0 / std::sqrt(static_cast<double>(p.head_dim)));
+        const RingResult r = ring_attention_forward(comm, shard(seq.q, comm), shard(seq.k, comm), shard(seq.v, comm),
+                                                    {causal, {}, true, nullptr});
+        const std::string what = std::string(causal ? "causal" : "full") + " rank " + std::to_string(comm.rank()) +
+                                 " of " + std::to_string(comm.size());
+        EXPECT_TRUE(all_close(r.out, shard(out, comm), "out " + what, {"b", "h", "s", "d"}));
+        EXPECT_TRUE(all_close(r.lse, shard(lse, comm), "lse " + what, {"b", "h", "s"}));
+      }
+    }
+  });
+}
+
+CP_TEST(Lesson04, Task1_CausalSkipsExactlyTheLaterChunks) {
+  for_each_world([](Comm& comm) {
+    const Problem p{1, 2, 1, 20, 32};
+    const Sequence seq = make_sequence(p, comm.size(), 3);
+    const int n = comm.size(), r = comm.rank();
+    const int64_t chunk_bytes = 2 * p.batch * p.heads_kv * p.chunk * p.head_dim * static_cast<int64_t>(sizeof(float));
+    for (bool causal : {false, true}) {
+      const RingStats stats =
+          ring_attention_forward(comm, shard(seq.q, comm), shard(seq.k, comm), shard(seq.v, comm), {causal, {}, true, nullptr})
+              .stats;
+      EXPECT_EQ(stats.steps_computed, causal ? r + 1 : n) << "rank " << r << " of " << n;
+      EXPECT_EQ(stats.steps_skipped, causal ? n - 1 - r : 0) << "rank " << r << " of " << n;
+      EXPECT_EQ(stats.bytes_sent, (n - 1) * chunk_bytes) << "rank " << r << ": K and V go N−1 hops";
+    }
+  });
+}
+
+CP_TEST(Lesson04, Task1_TheCallersTensorsAreNotOverwritten) {
+  for_each_world([](Comm& comm) {
+    const Sequence seq = make_sequence({1, 2, 2, 16, 32}, comm.size(), 13);
+    const torch::Tensor q = shard(seq.q, comm).contiguous(), k = shard(seq.k, comm).contiguous(),
+                        v = shard(seq.v, comm).contiguous();
+    const torch::Tensor q0 = q.clone(), k0 = k.clone(), v0 = v.clone();
+    ring_attention_forward(comm, q, k, v, {true, {}, true, nullptr});
+    EXPECT_TRUE(torch::equal(q, q0) && torch::equal(k, k0) && torch::equal(v, v0))
+        << "the ring must receive into buffers of its own, not into the caller's k or v";
+  });
+}
+
+CP_TEST(Lesson04, Task1_OverlapOnAndOffGiveIdenticalResults) {
+  for_each_world([](Comm& comm) {
+    const Sequence seq = make_sequence({1, 4, 2, 29, 64}, comm.size(), 11);
+    for (bool causal : {false, true}) {
+      const RingResult on = ring_attention_forward(comm, shard(seq.q, comm), shard(seq.k, comm), shard(seq.v, comm),
+                                                   {causal, {}, true, nullptr});
+      const RingResult off = ring_attention_forward(comm, shard(seq.q, comm), shard(seq.k, comm), shard(seq.v, comm),
+                                                    {causal, {}, false, nullptr});
+      EXPECT_TRUE(torch::equal(on.out, off.out));
+      EXPECT_TRUE(torch::equal(on.lse, off.lse));
+    }
+  });
+}
+
+CP_TEST(Lesson04, Task1_TraceRecordsComputeAndCommunication) {
+  Trace trace;
+  run_local_world(3, [&](Comm& comm) {
+    const Sequence seq = make_sequence({1, 1, 1, 16, 32}, 3, 5);
+    ring_attention_forward(comm, shard(seq.q, comm), shard(seq.k, comm), shard(seq.v, comm), {true, {}, true, &trace});
+  });
+  // One file per process: under mpirun every rank runs this test.
+  const std::string path =
+      ::testing::TempDir() + "lesson04_trace_rank" + std::to_string(testing::process_rank()) + ".json";
+  trace.write(path);
+  std::stringstream text;
+  text << std::ifstream(path).rdbuf();
+  std::remove(path.c_str());
+  EXPECT_NE(text.str().find("\"traceEvents\""), std::string::npos);
+  EXPECT_NE(text.str().find("\"cat\": \"compute\""), std::string::npos) << text.str();
+  EXPECT_NE(text.str().find("\"cat\": \"comm\""), std::string::npos) << text.str();
+  EXPECT_NE(text.str().find("\"name\": \"rank 2\""), std::string::npos) << text.str();
+}
+
+CP_TEST(Lesson04, Task1_BadInputGivesClearErrors) {
+  auto expect_error = [](const std::function<void(Comm&)>& body, const std::string& needle) {
+    try {
+      run_local_world(3, body);
+      ADD_FAILURE() << "expected a cp::Error mentioning '" << needle << "'";
+    } catch (const NotImplemented&) {
+      throw;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  run_local_world(1, [](Comm& comm) {  // counts once implemented
+    ring_attention_forward(comm, torch::zeros({1, 1, 4, 32}), torch::zeros({1, 1, 4, 32}), torch::zeros({1, 1, 4, 32}));
+  });
+  // S = 10 over 3 ranks: someone gets a different length.
+  expect_error([](Comm& comm) {
+    const int64_t len = comm.rank() == 2 ? 4 : 3;
+    const torch::Tensor t = torch::zeros({1, 1, len, 32});
+    ring_attention_forward(comm, t, t, t);
+  }, "Is S divisible by N = 3?");
+  expect_error([](Comm& comm) {
+    const torch::Tensor t = torch::zeros({1, 1, 4, 32}, comm.rank() == 1 ? torch::kDouble : torch::kFloat);
+    ring_attention_forward(comm, t, t, t);
+  }, "q: every rank must pass the same shape and dtype");
+  expect_error([](Comm& comm) {
+    ring_attention_forward(comm, torch::zeros({1, 1, 4, 32}), torch::zeros({1, 1, 4, 32}), torch::zeros({1, 1, 5, 32}));
+  }, "v: shape must be k's");
+}
+
+CP_TEST(Lesson04Cuda, Task1_ForwardOnCudaForEveryDtype) {
+  CP_REQUIRE_GPU();
+  for_each_world([](Comm& comm) {
+    const Problem p{1, 4, 2, 70, 64};
+    const Sequence seq = make_sequence(p, comm.size(), 17);
+    for (auto dtype : {torch::kFloat, torch::kHalf, torch::kBFloat16}) {
+      for (bool causal : {false, true}) {
+        const torch::Tensor q = seq.q.to(dtype), k = seq.k.to(dtype), v = seq.v.to(dtype);
+        const int64_t s = q.size(2);
+        const auto [out, lse] = oracle_attention(q, k, v, causal, torch::arange(s), torch::arange(s), 1.0 / 8.0);
+        const RingResult r = ring_attention_forward(comm, shard(q, comm).cuda(), shard(k, comm).cuda(),
+                                                    shard(v, comm).cuda(), {causal, {}, true, nullptr});
+        EXPECT_EQ(r.out.scalar_type(), dtype);
+        EXPECT_TRUE(all_close(r.out, shard(out, comm), "out cuda", {"b", "h", "s", "d"}));
+        EXPECT_TRUE(all_close(r.lse, shard(lse, comm), "lse cuda", {"b", "h", "s"}));
+      }
+    }
+  });
+}
+
+}  // namespace
+}  // namespace cp
