@@ -38,8 +38,8 @@ test: setup build
 	cmake --build $(BUILD) --target docs
 
 demo: setup $(BUILD)/build.ninja
-	cmake --build $(BUILD) -j $(JOBS) --target lesson01_demo_solution
-	$(BUILD)/bin/lesson01_demo_solution
+	cmake --build $(BUILD) -j $(JOBS) --target lesson04_demo_solution
+	$(BUILD)/bin/lesson04_demo_solution --world 4 --trace $(BUILD)/ring_trace.json
 	@echo
 	@echo "Lessons you have solved (make status for details): $$(tools/status --solved | sed 's/^$$/none yet/')"
 

@@ -13,6 +13,7 @@ namespace cp {
 namespace {
 
 using testing::all_close;
+using testing::expect_error;
 using testing::oracle_logsumexp;
 using testing::oracle_softmax;
 using testing::random_with_outliers;
@@ -171,16 +172,6 @@ CP_TEST(Lesson01, Task3_LeadingDimsAndNonContiguousInput) {
 CP_TEST(Lesson01, Task3_BadInputGivesClearErrors) {
   // The checks are given code; the test counts once the learner's online_softmax runs.
   online_softmax(torch::zeros({1, 2}));
-  auto expect_error = [](const std::function<void()>& fn, const std::string& needle) {
-    try {
-      fn();
-      ADD_FAILURE() << "expected a cp::Error mentioning '" << needle << "'";
-    } catch (const NotImplemented&) {
-      throw;
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
-  };
   expect_error([] { online_softmax(torch::tensor(1.0f)); }, "x: expected at least 1 dimension");
   expect_error([] { online_softmax(torch::zeros({2, 3}, torch::kHalf)); }, "x: the CPU path takes float32 or float64");
   expect_error([] { row_logsumexp(torch::zeros({2, 3}, torch::kInt)); }, "x: the CPU path takes float32 or float64");

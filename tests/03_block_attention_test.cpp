@@ -13,6 +13,7 @@ namespace cp {
 namespace {
 
 using testing::all_close;
+using testing::expect_error;
 using testing::oracle_attention;
 
 const std::vector<std::string> kDims = {"b", "h", "s", "d"};
@@ -127,16 +128,6 @@ CP_TEST(Lesson03, Task1_MergeIsMinusInfSafeOnEitherSide) {
 
 CP_TEST(Lesson03, Task1_MergeRejectsWrongShapesAndDtypes) {
   torch::Tensor out = torch::zeros({1, 2, 3, 4}), lse = torch::zeros({1, 2, 3});
-  auto expect_error = [](const std::function<void()>& fn, const std::string& needle) {
-    try {
-      fn();
-      ADD_FAILURE() << "expected a cp::Error mentioning '" << needle << "'";
-    } catch (const NotImplemented&) {
-      throw;
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
-  };
   merge_attention(out, lse, out.clone(), lse.clone());  // counts once implemented
   expect_error([&] { torch::Tensor o = out.to(torch::kDouble); merge_attention(o, lse, out, lse); }, "out_acc: the accumulator must be float32");
   expect_error([&] { torch::Tensor l = torch::zeros({1, 2, 4}); merge_attention(out, l, out, lse); }, "lse_acc: shape must be");
@@ -199,14 +190,6 @@ CP_TEST(Lesson03, Task2_SplitKEquivalenceInAnyOrder) {
 CP_TEST(Lesson03, Task2_BadInputGivesClearErrors) {
   const torch::Tensor q = torch::zeros({1, 4, 8, 32}), kv = torch::zeros({1, 2, 8, 32});
   attention_block_forward(q, kv, kv);  // counts once implemented
-  auto expect_error = [](const std::function<void()>& fn, const std::string& needle) {
-    try {
-      fn();
-      ADD_FAILURE() << "expected a cp::Error mentioning '" << needle << "'";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
-  };
   expect_error([&] { attention_block_forward(q, torch::zeros({1, 3, 8, 32}), torch::zeros({1, 3, 8, 32})); },
                "H_q (4) must be divisible by H_kv (3)");
   expect_error([&] { attention_block_forward(q.view({4, 8, 32}), kv, kv); }, "q: expected at least 4 dimension(s)");

@@ -12,6 +12,7 @@ namespace cp {
 namespace {
 
 using testing::all_close;
+using testing::expect_error;
 using testing::for_each_world;
 using testing::oracle_attention_grads;
 
@@ -80,14 +81,6 @@ CP_TEST(Lesson05, Task1_BadInputGivesClearErrors) {
   const Inputs in = random_inputs(1, 2, 1, 8, 8, 32, 4);
   const AttnResult fwd = attention_block_forward(in.q, in.k, in.v);
   attention_block_backward(in.dout, in.q, in.k, in.v, fwd.out, fwd.lse);  // counts once implemented
-  auto expect_error = [](const std::function<void()>& fn, const std::string& needle) {
-    try {
-      fn();
-      ADD_FAILURE() << "expected a cp::Error mentioning '" << needle << "'";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
-  };
   expect_error([&] { attention_block_backward(in.dout, in.q, in.k, in.v, fwd.out, fwd.lse.narrow(2, 0, 7)); },
                "lse: expected float32 [1, 2, 8]");
   expect_error([&] { attention_block_backward(in.dout, in.q, in.k, in.v, fwd.out, fwd.lse.to(torch::kDouble)); },

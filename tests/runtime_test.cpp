@@ -143,21 +143,12 @@ CP_TEST(Runtime, BarrierWaitsForEveryRank) {
 CP_TEST(Runtime, BadArgumentsGiveClearErrors) {
   for_each_world([](Comm& comm) {
     torch::Tensor t = torch::zeros({4});
-    auto throws_with = [](const std::function<void()>& fn, const std::string& needle) {
-      try {
-        fn();
-      } catch (const Error& e) {
-        EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-        return;
-      }
-      ADD_FAILURE() << "expected a cp::Error mentioning '" << needle << "'";
-    };
-    throws_with([&] { comm.send(t, comm.size()); }, "peer must be in [0, " + std::to_string(comm.size()) + ")");
-    throws_with([&] { comm.start({P2POp::recv(t, -1)}); }, "peer must be in");
-    throws_with([&] { comm.send(torch::zeros({4, 4}).t(), 0); }, "must be contiguous");
+    testing::expect_error([&] { comm.send(t, comm.size()); }, "peer must be in [0, " + std::to_string(comm.size()) + ")");
+    testing::expect_error([&] { comm.start({P2POp::recv(t, -1)}); }, "peer must be in");
+    testing::expect_error([&] { comm.send(torch::zeros({4, 4}).t(), 0); }, "must be contiguous");
     if (comm.size() > 1)
-      throws_with([&] { comm.reduce_scatter(torch::zeros({comm.size() + 1})); }, "divisible by the world size");
-    throws_with([&] { comm.broadcast(t, -2); }, "root");
+      testing::expect_error([&] { comm.reduce_scatter(torch::zeros({comm.size() + 1})); }, "divisible by the world size");
+    testing::expect_error([&] { comm.broadcast(t, -2); }, "root");
   });
 }
 

@@ -133,9 +133,10 @@ void merge_attention(torch::Tensor& out_acc, torch::Tensor& lse_acc, const torch
                      const torch::Tensor& lse_blk) {
   check_defined(out_acc, "out_acc", 1);
   CP_CHECK(out_acc.scalar_type() == torch::kFloat, "out_acc: the accumulator must be float32, got ", out_acc.dtype());
-  CP_CHECK(lse_acc.defined() && lse_acc.sizes() == out_acc.sizes().slice(0, out_acc.dim() - 1), "lse_acc: shape must be ",
-           out_acc.sizes().slice(0, out_acc.dim() - 1), " (out_acc without its last dim), got ",
-           lse_acc.defined() ? lse_acc.sizes() : torch::IntArrayRef{});
+  check_defined(lse_acc, "lse_acc");
+  const torch::IntArrayRef rows = out_acc.sizes().slice(0, out_acc.dim() - 1);
+  CP_CHECK(lse_acc.sizes() == rows, "lse_acc: shape must be ", rows, " (out_acc without its last dim), got ",
+           lse_acc.sizes());
   check_merge_operand(lse_acc, lse_acc, "lse_acc", true);
   check_merge_operand(out_blk, out_acc, "out_blk", false);
   check_merge_operand(lse_blk, lse_acc, "lse_blk", true);

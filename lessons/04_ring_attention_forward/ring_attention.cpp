@@ -30,6 +30,15 @@ void check_same_on_every_rank(Comm& comm, const torch::Tensor& t, const char* ar
   }
 }
 
+int64_t check_ring_inputs(Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+  check_attention_inputs(q, k, v);
+  check_same_on_every_rank(comm, q, "q");
+  check_same_on_every_rank(comm, k, "k");
+  CP_CHECK(k.size(2) == q.size(2), "k: every rank holds S/N tokens of q, k and v; q has ", q.size(2), ", k has ",
+           k.size(2));
+  return q.size(2);
+}
+
 namespace {
 
 /// What the block of step t needs from the mask, on the contiguous layout.
@@ -45,15 +54,8 @@ StepKind step_kind(int rank, int source, bool causal) {
 
 RingResult ring_attention_forward(Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                   const RingOptions& options) {
-  check_defined(q, "q", 4);
-  check_defined(k, "k", 4);
-  check_defined(v, "v", 4);
-  CP_CHECK(k.sizes() == v.sizes(), "v: shape must be k's ", k.sizes(), ", got ", v.sizes());
-  check_same_on_every_rank(comm, q, "q");
-  check_same_on_every_rank(comm, k, "k");
+  const int64_t chunk = check_ring_inputs(comm, q, k, v);
   const int rank = comm.rank(), n = comm.size();
-  const int64_t chunk = q.size(2);
-  CP_CHECK(k.size(2) == chunk, "k: every rank holds S/N tokens of q, k and v; q has ", chunk, ", k has ", k.size(2));
   const torch::Tensor q_pos = contiguous_positions(rank, chunk, q.device());
 
   RingResult result;

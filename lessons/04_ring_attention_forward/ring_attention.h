@@ -53,4 +53,8 @@ torch::Tensor contiguous_positions(int rank, int64_t chunk, torch::Device device
 /// cp::Error naming `arg` otherwise (a shape differing between ranks usually means S % N != 0).
 void check_same_on_every_rank(Comm& comm, const torch::Tensor& t, const char* arg);
 
+/// The checks of a ring call: q, k, v as for attention_block_forward, the same on every rank,
+/// and as many tokens of q as of k. Returns the chunk length S/N.
+int64_t check_ring_inputs(Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v);
+
 }  // namespace cp

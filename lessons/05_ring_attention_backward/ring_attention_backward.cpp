@@ -9,14 +9,10 @@ namespace cp {
 RingGrads ring_attention_backward(Comm& comm, const torch::Tensor& dout, const torch::Tensor& q, const torch::Tensor& k,
                                   const torch::Tensor& v, const torch::Tensor& out, const torch::Tensor& lse,
                                   const RingOptions& options) {
-  check_attention_inputs(q, k, v);
+  const int64_t chunk = check_ring_inputs(comm, q, k, v);
   CP_CHECK(lse.defined() && lse.sizes() == q.sizes().slice(0, 3), "lse: expected shape ", q.sizes().slice(0, 3),
            " ([B, Hq, S/N] of q), got ", lse.defined() ? lse.sizes() : torch::IntArrayRef{});
-  check_same_on_every_rank(comm, q, "q");
-  check_same_on_every_rank(comm, k, "k");
   const int rank = comm.rank(), n = comm.size();
-  const int64_t chunk = q.size(2);
-  CP_CHECK(k.size(2) == chunk, "k: every rank holds S/N tokens of q, k and v; q has ", chunk, ", k has ", k.size(2));
   const torch::Tensor q_pos = contiguous_positions(rank, chunk, q.device());
   const int next = (rank + 1) % n, prev = (rank - 1 + n) % n;
 

@@ -16,6 +16,19 @@ void run_guarded(const std::function<void()>& body) {
   }
 }
 
+void expect_error(const std::function<void()>& fn, const std::string& needle) {
+  try {
+    fn();
+  } catch (const NotImplemented&) {
+    throw;
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << "the error should mention '" << needle
+                                                                      << "', got: " << e.what();
+    return;
+  }
+  ADD_FAILURE() << "expected a cp::Error mentioning '" << needle << "'";
+}
+
 const std::vector<int>& local_world_sizes() {
   static const std::vector<int> sizes = {1, 2, 3, 4, 8};
   return sizes;

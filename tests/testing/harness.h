@@ -24,6 +24,10 @@ const std::vector<int>& local_world_sizes();
 /// failure on any rank fails the test on every rank, and an exception aborts the world.
 void for_each_world(const std::function<void(Comm&)>& body);
 
+/// Runs fn and expects a cp::Error whose message contains `needle` (a cp::NotImplemented passes
+/// through, so that a test of learner code still shows NOT STARTED).
+void expect_error(const std::function<void()>& fn, const std::string& needle);
+
 /// True when this test program was started by mpirun (one process per rank).
 bool under_mpirun();
 
