@@ -70,6 +70,7 @@ docs: $(BUILD)/build.ninja
 bench: $(BUILD)/build.ninja
 	cmake --build $(BUILD) -j $(JOBS) --target benches
 	$(BUILD)/bin/softmax_bench
+	$(BUILD)/bin/exchange_bench --world 4
 
 skeletons:
 	tools/skeleton

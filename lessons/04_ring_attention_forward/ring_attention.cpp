@@ -30,6 +30,15 @@ void check_same_on_every_rank(Comm& comm, const torch::Tensor& t, const char* ar
   }
 }
 
+Request batched_ring_exchange(Comm& comm, const std::vector<torch::Tensor>& outgoing,
+                              const std::vector<torch::Tensor>& incoming) {
+  const int next = (comm.rank() + 1) % comm.size(), prev = (comm.rank() - 1 + comm.size()) % comm.size();
+  std::vector<P2POp> ops;
+  for (const torch::Tensor& t : outgoing) ops.push_back(P2POp::send(t, next));
+  for (const torch::Tensor& t : incoming) ops.push_back(P2POp::recv(t, prev));
+  return comm.start(ops);
+}
+
 int64_t check_ring_inputs(Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
   check_attention_inputs(q, k, v);
   check_same_on_every_rank(comm, q, "q");
@@ -63,8 +72,8 @@ RingResult ring_attention_forward(Comm& comm, const torch::Tensor& q, const torc
   // TODO(lesson 04, task 1): float32 accumulators out (zeros) and lse (-inf). The chunk in hand
   // starts as the caller's k, v (never write into them); arriving chunks alternate between two
   // buffers of your own (receive into one while computing on the other). For t = 0 … N−1, the current chunk comes from rank
-  // (r − t) mod N. (a) If t < N−1 and options.overlap: start() the exchange — send the current
-  // chunk to r+1, receive the next from r−1 — before computing. (b) Unless step_kind says
+  // (r − t) mod N. (a) If t < N−1 and options.overlap: start the exchange with
+  // options.exchange — send the current chunk to r+1, receive the next from r−1 — before computing. (b) Unless step_kind says
   // Skipped: attention_block_forward with the chunk's positions and merge_attention into the
   // accumulators. (c) Without overlap, do the exchange now; then wait: the arrived chunk is current.
   // Fill result.stats; out in q's dtype at the end. Record TraceSpans if options.trace is set.

@@ -8,13 +8,26 @@
 
 #include <torch/types.h>
 
+#include <functional>
 #include <optional>
+#include <vector>
 
 #include "block_attention.h"
 #include "common/comm.h"
 #include "common/trace.h"
 
 namespace cp {
+
+/// How a ring step moves its tensors: sends `outgoing` (in order) to rank r+1 and receives
+/// `incoming` (in the same order) from rank r−1. It may return with the transfer in flight (a
+/// batched start) or complete it before returning (the blocking strategies of lesson 06); the
+/// ring waits on the Request before it reads `incoming` or writes `outgoing`.
+using RingExchange = std::function<Request(Comm& comm, const std::vector<torch::Tensor>& outgoing,
+                                           const std::vector<torch::Tensor>& incoming)>;
+
+/// The default RingExchange: one batch of non-blocking sends and receives (Comm::start).
+Request batched_ring_exchange(Comm& comm, const std::vector<torch::Tensor>& outgoing,
+                              const std::vector<torch::Tensor>& incoming);
 
 /// Options of the ring attention forward and backward.
 struct RingOptions {
@@ -24,6 +37,7 @@ struct RingOptions {
   /// buffering). Off: compute, then exchange. The results are identical; only time differs.
   bool overlap = true;
   Trace* trace = nullptr;  ///< if set, compute and communication spans are recorded in it
+  RingExchange exchange = batched_ring_exchange;  ///< how chunks move (lesson 06 offers others)
 };
 
 /// What one rank did.

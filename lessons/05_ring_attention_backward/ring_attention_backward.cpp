@@ -14,7 +14,6 @@ RingGrads ring_attention_backward(Comm& comm, const torch::Tensor& dout, const t
            " ([B, Hq, S/N] of q), got ", lse.defined() ? lse.sizes() : torch::IntArrayRef{});
   const int rank = comm.rank(), n = comm.size();
   const torch::Tensor q_pos = contiguous_positions(rank, chunk, q.device());
-  const int next = (rank + 1) % n, prev = (rank - 1 + n) % n;
 
   RingGrads result;
   // BEGIN YOUR CODE task 3: the backward ring
@@ -24,7 +23,8 @@ RingGrads ring_attention_backward(Comm& comm, const torch::Tensor& dout, const t
   // unless causal-skipped add attention_block_backward's grads into dq, dk, dv; then send dk, dv
   // to r+1 with their chunk and receive the accumulators of the arriving chunk from r−1 — also
   // after the last step: that hop brings your own chunk's gradients home. Fill result.stats.
-  (void)dout, (void)out, (void)options, (void)q_pos, (void)next, (void)prev;
+  // Move chunks and accumulators with options.exchange (it sends to r+1, receives from r−1).
+  (void)dout, (void)out, (void)options, (void)q_pos, (void)n;
   throw NotImplemented("lesson 05, task 3: ring_attention_backward");
   // END YOUR CODE
   return result;

@@ -14,7 +14,6 @@ RingGrads ring_attention_backward(Comm& comm, const torch::Tensor& dout, const t
            " ([B, Hq, S/N] of q), got ", lse.defined() ? lse.sizes() : torch::IntArrayRef{});
   const int rank = comm.rank(), n = comm.size();
   const torch::Tensor q_pos = contiguous_positions(rank, chunk, q.device());
-  const int next = (rank + 1) % n, prev = (rank - 1 + n) % n;
 
   RingGrads result;
   // BEGIN SOLUTION task 3: the backward ring
@@ -24,7 +23,8 @@ RingGrads ring_attention_backward(Comm& comm, const torch::Tensor& dout, const t
   // STUB: // unless causal-skipped add attention_block_backward's grads into dq, dk, dv; then send dk, dv
   // STUB: // to r+1 with their chunk and receive the accumulators of the arriving chunk from r−1 — also
   // STUB: // after the last step: that hop brings your own chunk's gradients home. Fill result.stats.
-  // STUB: (void)dout, (void)out, (void)options, (void)q_pos, (void)next, (void)prev;
+  // STUB: // Move chunks and accumulators with options.exchange (it sends to r+1, receives from r−1).
+  // STUB: (void)dout, (void)out, (void)options, (void)q_pos, (void)n;
   // STUB: throw NotImplemented("lesson 05, task 3: ring_attention_backward");
   const auto f32 = q.options().dtype(torch::kFloat);
   torch::Tensor dq = torch::zeros(q.sizes(), f32);
@@ -38,8 +38,7 @@ RingGrads ring_attention_backward(Comm& comm, const torch::Tensor& dout, const t
   auto start_kv_exchange = [&](int t) {
     result.stats.bytes_sent += 2 * k_cur.numel() * k_cur.element_size();
     TraceSpan span(options.trace, rank, "comm", "start K/V step " + std::to_string(t));
-    return comm.start({P2POp::send(k_cur, next), P2POp::send(v_cur, next), P2POp::recv(k_buf[t % 2], prev),
-                       P2POp::recv(v_buf[t % 2], prev)});
+    return options.exchange(comm, {k_cur, v_cur}, {k_buf[t % 2], v_buf[t % 2]});
   };
   for (int t = 0; t < n; ++t) {
     const int source = (rank - t + n) % n;
@@ -60,8 +59,7 @@ RingGrads ring_attention_backward(Comm& comm, const torch::Tensor& dout, const t
     if (more_kv && !options.overlap) kv = start_kv_exchange(t);
     // The accumulators can only leave once this step has added to them.
     result.stats.bytes_sent += 2 * dk_cur.numel() * dk_cur.element_size();
-    Request grads = comm.start({P2POp::send(dk_cur, next), P2POp::send(dv_cur, next), P2POp::recv(dk_next, prev),
-                                P2POp::recv(dv_next, prev)});
+    Request grads = options.exchange(comm, {dk_cur, dv_cur}, {dk_next, dv_next});
     {
       TraceSpan wait(options.trace, rank, "comm", "wait step " + std::to_string(t));
       kv.wait();

@@ -1,0 +1,113 @@
+// Lesson 06 — the deadlock-free ring exchange: the naive order deadlocks (and the watchdog says
+// where), every other strategy is correct for N = 1 … 8, and ring attention gives identical
+// results with each of them.
+#include <torch/types.h>
+
+#include "common/error.h"
+#include "common/world.h"
+#include "odd_even_exchange.h"
+#include "ring_attention_backward.h"
+#include "testing/harness.h"
+#include "testing/oracle.h"
+
+namespace cp {
+namespace {
+
+using testing::for_each_world;
+
+const std::vector<Exchange> kDeadlockFree = {Exchange::OddEven, Exchange::SendRecv, Exchange::Batched};
+
+/// Every rank passes a tensor that names it; afterwards each must hold its predecessor's.
+void check_exchange(Comm& comm, Exchange how) {
+  const int n = comm.size(), prev = (comm.rank() - 1 + n) % n;
+  for (int64_t numel : {1, 1000, 100000}) {
+    const torch::Tensor mine = torch::arange(numel, torch::kFloat) + 1e6 * comm.rank();
+    torch::Tensor received = torch::full({numel}, -1.0f);
+    ring_exchange(comm, mine, received, how);
+    EXPECT_TRUE(torch::equal(received, torch::arange(numel, torch::kFloat) + 1e6 * prev))
+        << to_string(how) << ": rank " << comm.rank() << " of " << n << " must hold rank " << prev << "'s tensor";
+  }
+}
+
+/// Local worlds of every size 1 … 8 (odd ones too), or the mpirun world.
+void for_every_size(const std::function<void(Comm&)>& body) {
+  if (testing::under_mpirun()) {
+    for_each_world(body);
+    return;
+  }
+  for (int n = 1; n <= 8; ++n) run_local_world(n, body, {std::chrono::milliseconds(1000)});
+}
+
+CP_TEST(Lesson06, Task1_NaiveRingDeadlocksAndTheErrorNamesEveryRank) {
+  // Local worlds only: under MPI the same program would simply hang (see the README).
+  for (int n = 2; n <= 5; ++n) {
+    try {
+      run_local_world(
+          n,
+          [](Comm& comm) {
+            torch::Tensor received = torch::empty({16});
+            ring_exchange(comm, torch::ones({16}), received, Exchange::Naive);
+          },
+          {std::chrono::milliseconds(200)});
+      ADD_FAILURE() << "the naive ring of " << n << " ranks must deadlock";
+    } catch (const DeadlockError& e) {
+      const std::string what = e.what();
+      for (int r = 0; r < n; ++r) {
+        const std::string edge = "rank " + std::to_string(r) + " send→" + std::to_string((r + 1) % n);
+        EXPECT_NE(what.find(edge), std::string::npos) << "N = " << n << ": missing '" << edge << "' in " << what;
+      }
+    }
+  }
+  run_local_world(1, [](Comm& comm) {  // N = 1: no neighbour but oneself, nothing to wait for
+    torch::Tensor received = torch::empty({4});
+    ring_exchange(comm, torch::ones({4}), received, Exchange::Naive);
+    EXPECT_TRUE(torch::equal(received, torch::ones({4})));
+  });
+}
+
+CP_TEST(Lesson06, Task2_OddEvenIsCorrectForEveryWorldSize) {
+  for_every_size([](Comm& comm) { check_exchange(comm, Exchange::OddEven); });
+}
+
+CP_TEST(Lesson06, Task3_SendRecvAndBatchedAreCorrectForEveryWorldSize) {
+  for_every_size([](Comm& comm) {
+    check_exchange(comm, Exchange::SendRecv);
+    check_exchange(comm, Exchange::Batched);
+  });
+}
+
+CP_TEST(Lesson06, Task3_RingAttentionIsIdenticalWithEveryStrategy) {
+  for_each_world([](Comm& comm) {
+    torch::Generator gen = at::detail::createCPUGenerator(6);
+    const int64_t s = 24 * comm.size();
+    const torch::Tensor q = torch::randn({1, 2, s, 32}, gen), k = torch::randn({1, 1, s, 32}, gen),
+                        v = torch::randn({1, 1, s, 32}, gen), dout = torch::randn({1, 2, s, 32}, gen);
+    auto mine = [&](const torch::Tensor& t) { return t.narrow(2, comm.rank() * 24, 24); };
+    std::vector<RingGrads> grads;
+    std::vector<RingResult> forwards;
+    for (Exchange how : kDeadlockFree) {
+      RingOptions options{true, {}, true, nullptr};
+      options.exchange = ring_exchange_strategy(how);
+      forwards.push_back(ring_attention_forward(comm, mine(q), mine(k), mine(v), options));
+      grads.push_back(ring_attention_backward(comm, mine(dout), mine(q), mine(k), mine(v), forwards.back().out,
+                                              forwards.back().lse, options));
+    }
+    for (size_t i = 1; i < kDeadlockFree.size(); ++i) {
+      const std::string what = to_string(kDeadlockFree[i]) + " vs " + to_string(kDeadlockFree[0]);
+      EXPECT_TRUE(torch::equal(forwards[i].out, forwards[0].out)) << what;
+      EXPECT_TRUE(torch::equal(forwards[i].lse, forwards[0].lse)) << what;
+      EXPECT_TRUE(torch::equal(grads[i].dq, grads[0].dq)) << what;
+      EXPECT_TRUE(torch::equal(grads[i].dk, grads[0].dk)) << what;
+      EXPECT_TRUE(torch::equal(grads[i].dv, grads[0].dv)) << what;
+    }
+  });
+}
+
+CP_TEST(Lesson06, Task3_TheNaiveStrategyIsRefusedForRingAttention) {
+  torch::Tensor received = torch::empty({1});
+  run_local_world(1, [&](Comm& comm) { ring_exchange(comm, torch::ones({1}), received, Exchange::OddEven); });
+  testing::expect_error([] { ring_exchange_strategy(Exchange::Naive); }, "the naive exchange deadlocks");
+}
+
+}  // namespace
+}  // namespace cp
