@@ -73,6 +73,11 @@ CP_TEST(Lesson04, Task1_CausalSkipsExactlyTheLaterChunks) {
       EXPECT_EQ(stats.steps_computed, causal ? r + 1 : n) << "rank " << r << " of " << n;
       EXPECT_EQ(stats.steps_skipped, causal ? n - 1 - r : 0) << "rank " << r << " of " << n;
       EXPECT_EQ(stats.bytes_sent, (n - 1) * chunk_bytes) << "rank " << r << ": K and V go N−1 hops";
+      ASSERT_EQ(stats.steps.size(), static_cast<size_t>(stats.steps_computed));
+      for (size_t i = 0; i < stats.steps.size(); ++i) {
+        EXPECT_EQ(stats.steps[i].source, (r - static_cast<int>(i) + n) % n) << "computed steps are steps 0, 1, …";
+        EXPECT_EQ(stats.steps[i].pairs, p.chunk * p.chunk) << "a whole chunk × chunk block per step";
+      }
     }
   });
 }

@@ -1,6 +1,7 @@
 // Lesson 04 — ring attention forward: K/V chunks go around the ring while each rank computes.
 #include "ring_attention.h"
 
+#include <chrono>
 #include <utility>
 
 #include "common/error.h"
@@ -8,8 +9,19 @@
 
 namespace cp {
 
-torch::Tensor contiguous_positions(int rank, int64_t chunk, torch::Device device) {
-  return torch::arange(rank * chunk, (rank + 1) * chunk, torch::TensorOptions().dtype(torch::kLong).device(device));
+RingLayout contiguous_layout() {
+  RingLayout layout;
+  layout.positions = [](int rank, int, int64_t chunk, torch::Device device) {
+    return torch::arange(rank * chunk, (rank + 1) * chunk, torch::TensorOptions().dtype(torch::kLong).device(device));
+  };
+  layout.plan = [](int rank, int source, int, int64_t chunk, bool causal) {
+    BlockPlan full{true, 0, chunk, 0, chunk, false};
+    if (!causal || source < rank) return full;  // an earlier chunk is entirely visible: no mask needed
+    if (source > rank) return BlockPlan{};      // a later chunk is entirely masked: skip it
+    full.causal_mask = true;                    // the own chunk: causal inside it
+    return full;
+  };
+  return layout;
 }
 
 void check_same_on_every_rank(Comm& comm, const torch::Tensor& t, const char* arg) {
@@ -48,24 +60,11 @@ int64_t check_ring_inputs(Comm& comm, const torch::Tensor& q, const torch::Tenso
   return q.size(2);
 }
 
-namespace {
-
-/// What the block of step t needs from the mask, on the contiguous layout.
-enum class StepKind { Diagonal, Full, Skipped };
-
-StepKind step_kind(int rank, int source, bool causal) {
-  if (!causal) return StepKind::Full;
-  if (source == rank) return StepKind::Diagonal;               // own chunk: causal inside it
-  return source < rank ? StepKind::Full : StepKind::Skipped;   // earlier chunk: all visible; later: none
-}
-
-}  // namespace
-
 RingResult ring_attention_forward(Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                   const RingOptions& options) {
   const int64_t chunk = check_ring_inputs(comm, q, k, v);
   const int rank = comm.rank(), n = comm.size();
-  const torch::Tensor q_pos = contiguous_positions(rank, chunk, q.device());
+  const torch::Tensor q_pos = options.layout.positions(rank, n, chunk, q.device());
 
   RingResult result;
   // BEGIN YOUR CODE task 1: the ring loop
@@ -73,10 +72,11 @@ RingResult ring_attention_forward(Comm& comm, const torch::Tensor& q, const torc
   // starts as the caller's k, v (never write into them); arriving chunks alternate between two
   // buffers of your own (receive into one while computing on the other). For t = 0 … N−1, the current chunk comes from rank
   // (r − t) mod N. (a) If t < N−1 and options.overlap: start the exchange with
-  // options.exchange — send the current chunk to r+1, receive the next from r−1 — before computing. (b) Unless step_kind says
-  // Skipped: attention_block_forward with the chunk's positions and merge_attention into the
-  // accumulators. (c) Without overlap, do the exchange now; then wait: the arrived chunk is current.
-  // Fill result.stats; out in q's dtype at the end. Record TraceSpans if options.trace is set.
+  // options.exchange — send the current chunk to r+1, receive the next from r−1 — before computing.
+  // (b) plan = options.layout.plan(rank, source, N, chunk, causal); unless !plan.compute:
+  // attention_block_forward of the planned query rows against the planned K/V rows, with the
+  // positions of options.layout, merged into the planned rows of the accumulators (narrow views). (c) Without overlap, do the exchange now; then wait: the arrived chunk is current.
+  // Fill result.stats (a StepWork per computed step); out in q's dtype at the end. Record TraceSpans if options.trace is set.
   (void)options, (void)q_pos, (void)rank, (void)n;
   throw NotImplemented("lesson 04, task 1: the ring loop");
   // END YOUR CODE

@@ -29,6 +29,27 @@ using RingExchange = std::function<Request(Comm& comm, const std::vector<torch::
 Request batched_ring_exchange(Comm& comm, const std::vector<torch::Tensor>& outgoing,
                               const std::vector<torch::Tensor>& incoming);
 
+/// Which part of a ring step's block to compute: rows [q_begin, q_begin + q_len) of this rank's
+/// queries against rows [k_begin, k_begin + k_len) of the K/V chunk in hand, with the causal mask
+/// from positions or without any mask (when every pair is visible).
+struct BlockPlan {
+  bool compute = false;  ///< false: the whole block is masked, skip it
+  int64_t q_begin = 0, q_len = 0, k_begin = 0, k_len = 0;
+  bool causal_mask = false;
+};
+
+/// How a sequence is laid out over the ranks, as far as the ring is concerned: the global
+/// positions of a rank's tokens, and the block to compute when rank `rank` holds the K/V chunk of
+/// rank `source`. Lesson 04 uses the contiguous layout; lesson 07 adds the zig-zag one.
+struct RingLayout {
+  std::function<torch::Tensor(int rank, int world, int64_t chunk, torch::Device device)> positions;
+  std::function<BlockPlan(int rank, int source, int world, int64_t chunk, bool causal)> plan;
+};
+
+/// Rank r holds tokens [r·chunk, (r+1)·chunk). Causal: the own chunk with the mask, earlier chunks
+/// whole without it, later chunks skipped.
+RingLayout contiguous_layout();
+
 /// Options of the ring attention forward and backward.
 struct RingOptions {
   bool causal = false;
@@ -38,6 +59,14 @@ struct RingOptions {
   bool overlap = true;
   Trace* trace = nullptr;  ///< if set, compute and communication spans are recorded in it
   RingExchange exchange = batched_ring_exchange;  ///< how chunks move (lesson 06 offers others)
+  RingLayout layout = contiguous_layout();        ///< where tokens live (lesson 07 offers others)
+};
+
+/// The work of one computed ring step.
+struct StepWork {
+  int source;      ///< whose K/V chunk
+  int64_t pairs;   ///< query × key pairs of the block computed (per batch and head; masked ones included)
+  double ms;       ///< wall time of the block computation
 };
 
 /// What one rank did.
@@ -45,6 +74,7 @@ struct RingStats {
   int steps_computed = 0;  ///< ring steps whose block was computed
   int steps_skipped = 0;   ///< causal: steps whose K/V chunk lies entirely after this rank's queries
   int64_t bytes_sent = 0;  ///< payload this rank sent
+  std::vector<StepWork> steps;  ///< one entry per computed step
 };
 
 /// This rank's share of full attention over the whole sequence.
@@ -54,14 +84,11 @@ struct RingResult {
   RingStats stats;
 };
 
-/// Ring attention forward on this rank's contiguous shard.
+/// Ring attention forward on this rank's shard (contiguous unless options.layout says otherwise).
 /// @param q     [B, Hq, S/N, D]; k, v [B, Hkv, S/N, D] (GQA: Hq divisible by Hkv). Every rank must
 ///              pass the same shapes (S divisible by N), dtype and device kind.
 RingResult ring_attention_forward(Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                   const RingOptions& options = {});
-
-/// The global positions of rank `rank`'s contiguous chunk of `chunk` tokens: rank·chunk + 0 .. chunk−1.
-torch::Tensor contiguous_positions(int rank, int64_t chunk, torch::Device device);
 
 /// Checks that every rank passes tensors of the same shape and dtype as this one, with a clear
 /// cp::Error naming `arg` otherwise (a shape differing between ranks usually means S % N != 0).

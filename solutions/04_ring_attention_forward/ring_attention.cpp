@@ -1,6 +1,7 @@
 // Lesson 04 — ring attention forward: K/V chunks go around the ring while each rank computes.
 #include "ring_attention.h"
 
+#include <chrono>
 #include <utility>
 
 #include "common/error.h"
@@ -8,8 +9,19 @@
 
 namespace cp {
 
-torch::Tensor contiguous_positions(int rank, int64_t chunk, torch::Device device) {
-  return torch::arange(rank * chunk, (rank + 1) * chunk, torch::TensorOptions().dtype(torch::kLong).device(device));
+RingLayout contiguous_layout() {
+  RingLayout layout;
+  layout.positions = [](int rank, int, int64_t chunk, torch::Device device) {
+    return torch::arange(rank * chunk, (rank + 1) * chunk, torch::TensorOptions().dtype(torch::kLong).device(device));
+  };
+  layout.plan = [](int rank, int source, int, int64_t chunk, bool causal) {
+    BlockPlan full{true, 0, chunk, 0, chunk, false};
+    if (!causal || source < rank) return full;  // an earlier chunk is entirely visible: no mask needed
+    if (source > rank) return BlockPlan{};      // a later chunk is entirely masked: skip it
+    full.causal_mask = true;                    // the own chunk: causal inside it
+    return full;
+  };
+  return layout;
 }
 
 void check_same_on_every_rank(Comm& comm, const torch::Tensor& t, const char* arg) {
@@ -48,24 +60,11 @@ int64_t check_ring_inputs(Comm& comm, const torch::Tensor& q, const torch::Tenso
   return q.size(2);
 }
 
-namespace {
-
-/// What the block of step t needs from the mask, on the contiguous layout.
-enum class StepKind { Diagonal, Full, Skipped };
-
-StepKind step_kind(int rank, int source, bool causal) {
-  if (!causal) return StepKind::Full;
-  if (source == rank) return StepKind::Diagonal;               // own chunk: causal inside it
-  return source < rank ? StepKind::Full : StepKind::Skipped;   // earlier chunk: all visible; later: none
-}
-
-}  // namespace
-
 RingResult ring_attention_forward(Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                   const RingOptions& options) {
   const int64_t chunk = check_ring_inputs(comm, q, k, v);
   const int rank = comm.rank(), n = comm.size();
-  const torch::Tensor q_pos = contiguous_positions(rank, chunk, q.device());
+  const torch::Tensor q_pos = options.layout.positions(rank, n, chunk, q.device());
 
   RingResult result;
   // BEGIN SOLUTION task 1: the ring loop
@@ -73,10 +72,11 @@ RingResult ring_attention_forward(Comm& comm, const torch::Tensor& q, const torc
   // STUB: // starts as the caller's k, v (never write into them); arriving chunks alternate between two
   // STUB: // buffers of your own (receive into one while computing on the other). For t = 0 … N−1, the current chunk comes from rank
   // STUB: // (r − t) mod N. (a) If t < N−1 and options.overlap: start the exchange with
-  // STUB: // options.exchange — send the current chunk to r+1, receive the next from r−1 — before computing. (b) Unless step_kind says
-  // STUB: // Skipped: attention_block_forward with the chunk's positions and merge_attention into the
-  // STUB: // accumulators. (c) Without overlap, do the exchange now; then wait: the arrived chunk is current.
-  // STUB: // Fill result.stats; out in q's dtype at the end. Record TraceSpans if options.trace is set.
+  // STUB: // options.exchange — send the current chunk to r+1, receive the next from r−1 — before computing.
+  // STUB: // (b) plan = options.layout.plan(rank, source, N, chunk, causal); unless !plan.compute:
+  // STUB: // attention_block_forward of the planned query rows against the planned K/V rows, with the
+  // STUB: // positions of options.layout, merged into the planned rows of the accumulators (narrow views). (c) Without overlap, do the exchange now; then wait: the arrived chunk is current.
+  // STUB: // Fill result.stats (a StepWork per computed step); out in q's dtype at the end. Record TraceSpans if options.trace is set.
   // STUB: (void)options, (void)q_pos, (void)rank, (void)n;
   // STUB: throw NotImplemented("lesson 04, task 1: the ring loop");
   torch::Tensor out = torch::zeros(q.sizes(), q.options().dtype(torch::kFloat));
@@ -100,15 +100,24 @@ RingResult ring_attention_forward(Comm& comm, const torch::Tensor& q, const torc
       comm_span.emplace(options.trace, rank, "comm", "K/V step " + std::to_string(t));
       pending = start_exchange();  // in flight while we compute below
     }
-    const StepKind kind = step_kind(rank, source, options.causal);
-    if (kind == StepKind::Skipped) {
+    const BlockPlan plan = options.layout.plan(rank, source, n, chunk, options.causal);
+    if (!plan.compute) {
       ++result.stats.steps_skipped;
     } else {
       TraceSpan compute(options.trace, rank, "compute", "block from rank " + std::to_string(source));
-      const AttentionMask mask{kind == StepKind::Diagonal, q_pos, contiguous_positions(source, chunk, q.device())};
-      const AttnResult block = attention_block_forward(q, k_cur, v_cur, mask, options.scale);
-      merge_attention(out, lse, block.out, block.lse);
+      const auto start = std::chrono::steady_clock::now();
+      const torch::Tensor k_pos = options.layout.positions(source, n, chunk, q.device());
+      const AttentionMask mask{plan.causal_mask, q_pos.narrow(0, plan.q_begin, plan.q_len),
+                               k_pos.narrow(0, plan.k_begin, plan.k_len)};
+      const AttnResult block = attention_block_forward(q.narrow(2, plan.q_begin, plan.q_len),
+                                                       k_cur.narrow(2, plan.k_begin, plan.k_len),
+                                                       v_cur.narrow(2, plan.k_begin, plan.k_len), mask, options.scale);
+      torch::Tensor out_rows = out.narrow(2, plan.q_begin, plan.q_len);  // views: the merge writes into out
+      torch::Tensor lse_rows = lse.narrow(2, plan.q_begin, plan.q_len);
+      merge_attention(out_rows, lse_rows, block.out, block.lse);
       ++result.stats.steps_computed;
+      result.stats.steps.push_back({source, plan.q_len * plan.k_len,
+                                    std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count()});
     }
     if (exchange) {
       if (!options.overlap) {

@@ -1,5 +1,7 @@
 // Lesson 05, task 3 — ring attention backward: K/V rotate as in the forward, dQ stays home, and
 // the dK/dV accumulators travel with their K/V chunk, arriving home after N hops.
+#include <chrono>
+
 #include "common/error.h"
 #include "common/tensor_checks.h"
 #include "ring_attention_backward.h"
@@ -13,14 +15,15 @@ RingGrads ring_attention_backward(Comm& comm, const torch::Tensor& dout, const t
   CP_CHECK(lse.defined() && lse.sizes() == q.sizes().slice(0, 3), "lse: expected shape ", q.sizes().slice(0, 3),
            " ([B, Hq, S/N] of q), got ", lse.defined() ? lse.sizes() : torch::IntArrayRef{});
   const int rank = comm.rank(), n = comm.size();
-  const torch::Tensor q_pos = contiguous_positions(rank, chunk, q.device());
+  const torch::Tensor q_pos = options.layout.positions(rank, n, chunk, q.device());
 
   RingGrads result;
   // BEGIN SOLUTION task 3: the backward ring
   // STUB: // TODO(lesson 05, task 3): dq (float32 zeros) stays here. The current K/V chunk comes with
   // STUB: // float32 accumulators dk, dv (zeros at first). At step t = 0 … N−1 (chunk of rank (r − t) mod N):
   // STUB: // start the K/V exchange for the next step (t < N−1; before computing if options.overlap),
-  // STUB: // unless causal-skipped add attention_block_backward's grads into dq, dk, dv; then send dk, dv
+  // STUB: // then, as the forward does with options.layout.plan, add attention_block_backward's grads of the
+  // STUB: // planned rows into the planned rows of dq, dk, dv (narrow views); then send dk, dv
   // STUB: // to r+1 with their chunk and receive the accumulators of the arriving chunk from r−1 — also
   // STUB: // after the last step: that hop brings your own chunk's gradients home. Fill result.stats.
   // STUB: // Move chunks and accumulators with options.exchange (it sends to r+1, receives from r−1).
@@ -45,16 +48,25 @@ RingGrads ring_attention_backward(Comm& comm, const torch::Tensor& dout, const t
     const bool more_kv = t < n - 1;
     Request kv;
     if (more_kv && options.overlap) kv = start_kv_exchange(t);
-    if (options.causal && source > rank) {
-      ++result.stats.steps_skipped;  // the chunk is after all our queries; its accumulators still move on
+    const BlockPlan plan = options.layout.plan(rank, source, n, chunk, options.causal);
+    if (!plan.compute) {
+      ++result.stats.steps_skipped;  // nothing visible; the chunk and its accumulators still move on
     } else {
       TraceSpan compute(options.trace, rank, "compute", "backward block of rank " + std::to_string(source));
-      const AttentionMask mask{options.causal && source == rank, q_pos, contiguous_positions(source, chunk, q.device())};
-      const AttnGrads g = attention_block_backward(dout, q, k_cur, v_cur, out, lse, mask, options.scale);
-      dq.add_(g.dq);
-      dk_cur.add_(g.dk);
-      dv_cur.add_(g.dv);
+      const auto start = std::chrono::steady_clock::now();
+      const torch::Tensor k_pos = options.layout.positions(source, n, chunk, q.device());
+      const AttentionMask mask{plan.causal_mask, q_pos.narrow(0, plan.q_begin, plan.q_len),
+                               k_pos.narrow(0, plan.k_begin, plan.k_len)};
+      auto q_rows = [&](const torch::Tensor& t) { return t.narrow(2, plan.q_begin, plan.q_len); };
+      auto k_rows = [&](const torch::Tensor& t) { return t.narrow(2, plan.k_begin, plan.k_len); };
+      const AttnGrads g = attention_block_backward(q_rows(dout), q_rows(q), k_rows(k_cur), k_rows(v_cur), q_rows(out),
+                                                   lse.narrow(2, plan.q_begin, plan.q_len), mask, options.scale);
+      q_rows(dq).add_(g.dq);  // views: the adds land in dq, dk_cur, dv_cur
+      k_rows(dk_cur).add_(g.dk);
+      k_rows(dv_cur).add_(g.dv);
       ++result.stats.steps_computed;
+      result.stats.steps.push_back({source, plan.q_len * plan.k_len,
+                                    std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count()});
     }
     if (more_kv && !options.overlap) kv = start_kv_exchange(t);
     // The accumulators can only leave once this step has added to them.
