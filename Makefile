@@ -38,8 +38,10 @@ test: setup build
 	cmake --build $(BUILD) --target docs
 
 demo: setup $(BUILD)/build.ninja
-	cmake --build $(BUILD) -j $(JOBS) --target lesson04_demo_solution
+	cmake --build $(BUILD) -j $(JOBS) --target lesson04_demo_solution lesson07_demo_solution
 	$(BUILD)/bin/lesson04_demo_solution --world 4 --trace $(BUILD)/ring_trace.json
+	@echo
+	$(BUILD)/bin/lesson07_demo_solution --svg $(BUILD)/zigzag_work.svg
 	@echo
 	@echo "Lessons you have solved (make status for details): $$(tools/status --solved | sed 's/^$$/none yet/')"
 

@@ -1,0 +1,135 @@
+// Lesson 07 — layouts of a sequence over the ranks, the causal work model, and the balanced
+// zig-zag ring schedule.
+#include "zigzag.h"
+
+#include "common/error.h"
+
+namespace cp {
+
+std::string to_string(Layout layout) {
+  switch (layout) {
+    case Layout::Contiguous: return "contiguous";
+    case Layout::ZigZag: return "zig-zag";
+    case Layout::Stripe: return "stripe";
+  }
+  return "?";
+}
+
+torch::Tensor layout_positions(Layout layout, int64_t seq, int world, int rank) {
+  CP_CHECK(world >= 1 && rank >= 0 && rank < world, "layout_positions: rank ", rank, " is not in a world of ", world);
+  const int64_t parts = layout == Layout::ZigZag ? 2 * world : world;
+  CP_CHECK(seq >= 0 && seq % parts == 0, "layout_positions: S = ", seq, " is not divisible by ",
+           layout == Layout::ZigZag ? "2N = " : "N = ", parts, " (the ", to_string(layout), " layout cuts S into ",
+           parts, " equal parts)");
+  // BEGIN SOLUTION task 1: the three layouts
+  // STUB: // TODO(lesson 07, task 1): contiguous: rank·S/N + 0 … S/N−1. Zig-zag: chunks of c = S/(2N)
+  // STUB: // tokens, chunk r then chunk 2N−1−r. Stripe: rank, rank + N, rank + 2N, … Ascending int64.
+  // STUB: throw NotImplemented("lesson 07, task 1: layout_positions");
+  const int64_t per_rank = seq / world;
+  switch (layout) {
+    case Layout::Contiguous: return torch::arange(rank * per_rank, (rank + 1) * per_rank, torch::kLong);
+    case Layout::ZigZag: {
+      const int64_t c = seq / (2 * world);
+      return torch::cat({torch::arange(rank * c, (rank + 1) * c, torch::kLong),
+                         torch::arange((2 * world - 1 - rank) * c, (2 * world - rank) * c, torch::kLong)});
+    }
+    case Layout::Stripe: return torch::arange(rank, seq, world, torch::kLong);
+  }
+  CP_FAIL("unknown layout");
+  // END SOLUTION
+}
+
+torch::Tensor shard_sequence(const torch::Tensor& full, Layout layout, int world, int rank, int64_t dim) {
+  CP_CHECK(full.defined() && dim >= 0 && dim < full.dim(), "shard_sequence: full must have a dimension ", dim);
+  const torch::Tensor positions = layout_positions(layout, full.size(dim), world, rank).to(full.device());
+  return full.index_select(dim, positions);
+}
+
+torch::Tensor unshard_sequence(const std::vector<torch::Tensor>& shards, Layout layout, int64_t dim) {
+  CP_CHECK(!shards.empty(), "unshard_sequence: no shards");
+  const int world = static_cast<int>(shards.size());
+  std::vector<int64_t> shape = shards[0].sizes().vec();
+  CP_CHECK(dim >= 0 && dim < static_cast<int64_t>(shape.size()), "unshard_sequence: shards have no dimension ", dim);
+  shape[dim] *= world;
+  torch::Tensor full = torch::empty(shape, shards[0].options());
+  for (int r = 0; r < world; ++r) {
+    CP_CHECK(shards[r].sizes() == shards[0].sizes(), "unshard_sequence: shard ", r, " has shape ", shards[r].sizes(),
+             ", shard 0 has ", shards[0].sizes());
+    full.index_copy_(dim, layout_positions(layout, shape[dim], world, r).to(full.device()), shards[r]);
+  }
+  return full;
+}
+
+std::vector<int64_t> causal_work(Layout layout, int64_t seq, int world) {
+  std::vector<int64_t> work(world);
+  for (int r = 0; r < world; ++r) {
+    const torch::Tensor positions = layout_positions(layout, seq, world, r);
+    // BEGIN SOLUTION task 2: the work model
+    // STUB: // TODO(lesson 07, task 2): the query at position p sees the keys at positions 0 … p.
+    // STUB: (void)positions;
+    // STUB: throw NotImplemented("lesson 07, task 2: causal_work");
+    work[r] = (positions + 1).sum().item<int64_t>();
+    // END SOLUTION
+  }
+  return work;
+}
+
+RingLayout zigzag_layout() {
+  RingLayout layout;
+  layout.positions = [](int rank, int world, int64_t chunk, torch::Device device) {
+    return layout_positions(Layout::ZigZag, chunk * world, world, rank).to(device);
+  };
+  layout.plan = [](int rank, int source, int, int64_t chunk, bool causal) -> BlockPlan {
+    const int64_t c = chunk / 2;  // this rank's chunks: rows [0, c) = chunk r, rows [c, 2c) = chunk 2N−1−r
+    // BEGIN SOLUTION task 3: the balanced schedule
+    // STUB: // TODO(lesson 07, task 3): non-causal, or the own pair (source = rank, with the causal mask):
+    // STUB: // everything. From a lower rank: all local queries against the first half of the visiting
+    // STUB: // K/V. From a higher rank: the second half of the local queries against all of it. No mask
+    // STUB: // is needed in the last two cases: work out why from the chunk numbers.
+    // STUB: (void)rank, (void)source, (void)causal, (void)c;
+    // STUB: throw NotImplemented("lesson 07, task 3: the zig-zag schedule");
+    if (!causal) return BlockPlan{true, 0, chunk, 0, chunk, false};
+    if (source == rank) return BlockPlan{true, 0, chunk, 0, chunk, true};
+    // Visiting chunks s and 2N−1−s. If s < r, chunk s precedes both of ours and chunk 2N−1−s
+    // follows both; if s > r, both visiting chunks lie between our chunk r and our chunk 2N−1−r.
+    if (source < rank) return BlockPlan{true, 0, chunk, 0, c, false};
+    return BlockPlan{true, c, c, 0, chunk, false};
+    // END SOLUTION
+  };
+  return layout;
+}
+
+RingLayout stripe_layout() {
+  RingLayout layout;
+  layout.positions = [](int rank, int world, int64_t chunk, torch::Device device) {
+    return layout_positions(Layout::Stripe, chunk * world, world, rank).to(device);
+  };
+  // Interleaved tokens: every visiting chunk is partly visible, so every step computes the whole
+  // block with the mask from positions (balanced, but half of each block is masked work).
+  layout.plan = [](int, int, int, int64_t chunk, bool causal) { return BlockPlan{true, 0, chunk, 0, chunk, causal}; };
+  return layout;
+}
+
+namespace {
+void check_zigzag_shard(const torch::Tensor& q) {
+  CP_CHECK(q.defined() && q.dim() == 4 && q.size(2) % 2 == 0, "q: a zig-zag shard holds two chunks of S/(2N) tokens, "
+           "so its length must be even; got ", q.defined() ? q.sizes() : torch::IntArrayRef{}, " (is S divisible by 2N?)");
+}
+}  // namespace
+
+RingResult zigzag_ring_attention_forward(Comm& comm, const torch::Tensor& q, const torch::Tensor& k,
+                                         const torch::Tensor& v, RingOptions options) {
+  check_zigzag_shard(q);
+  options.layout = zigzag_layout();
+  return ring_attention_forward(comm, q, k, v, options);
+}
+
+RingGrads zigzag_ring_attention_backward(Comm& comm, const torch::Tensor& dout, const torch::Tensor& q,
+                                         const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& out,
+                                         const torch::Tensor& lse, RingOptions options) {
+  check_zigzag_shard(q);
+  options.layout = zigzag_layout();
+  return ring_attention_backward(comm, dout, q, k, v, out, lse, options);
+}
+
+}  // namespace cp

@@ -1,0 +1,180 @@
+// Lesson 07 — zig-zag load balancing: layouts and the work model exactly, and the zig-zag ring
+// forward and backward against float64 attention over the whole sequence.
+#include <torch/types.h>
+
+#include <numeric>
+
+#include "common/error.h"
+#include "common/world.h"
+#include "testing/harness.h"
+#include "testing/oracle.h"
+#include "zigzag.h"
+
+namespace cp {
+namespace {
+
+using testing::all_close;
+using testing::expect_error;
+using testing::for_each_world;
+
+const std::vector<Layout> kLayouts = {Layout::Contiguous, Layout::ZigZag, Layout::Stripe};
+const std::vector<std::string> kDims = {"b", "h", "s", "d"};
+
+/// The causal pairs of each rank counted the slow way: a full S × S mask, summed per query row.
+std::vector<int64_t> brute_force_work(Layout layout, int64_t seq, int world) {
+  const torch::Tensor visible_per_query = torch::tril(torch::ones({seq, seq}, torch::kLong)).sum(1);
+  std::vector<int64_t> work;
+  for (int r = 0; r < world; ++r)
+    work.push_back(visible_per_query.index_select(0, layout_positions(layout, seq, world, r)).sum().item<int64_t>());
+  return work;
+}
+
+// ── Task 1: layouts ───────────────────────────────────────────────────────────────────────────
+
+CP_TEST(Lesson07, Task1_EveryTokenIsOwnedExactlyOnce) {
+  for (int n = 1; n <= 8; ++n) {
+    const int64_t s = 2 * n * 5;
+    for (Layout layout : kLayouts) {
+      std::vector<torch::Tensor> all;
+      for (int r = 0; r < n; ++r) {
+        const torch::Tensor p = layout_positions(layout, s, n, r);
+        EXPECT_EQ(p.numel(), s / n) << to_string(layout) << ", N = " << n;
+        EXPECT_TRUE(torch::equal(p, std::get<0>(p.sort()))) << to_string(layout) << ": positions must ascend";
+        all.push_back(p);
+      }
+      EXPECT_TRUE(torch::equal(std::get<0>(torch::cat(all).sort()), torch::arange(s))) << to_string(layout) << ", N = " << n;
+    }
+  }
+  // Zig-zag, N = 4, S = 16: rank 1 holds chunks 1 and 6 of 2 tokens.
+  EXPECT_TRUE(torch::equal(layout_positions(Layout::ZigZag, 16, 4, 1), torch::tensor({2, 3, 12, 13}, torch::kLong)));
+  EXPECT_TRUE(torch::equal(layout_positions(Layout::Stripe, 12, 4, 1), torch::tensor({1, 5, 9}, torch::kLong)));
+}
+
+CP_TEST(Lesson07, Task1_ShardAndUnshardRoundTripExactly) {
+  const torch::Tensor full = torch::randn({2, 3, 48, 4});
+  for (int n : {1, 2, 3, 4, 8}) {
+    for (Layout layout : kLayouts) {
+      if (48 % (layout == Layout::ZigZag ? 2 * n : n)) continue;
+      std::vector<torch::Tensor> shards;
+      for (int r = 0; r < n; ++r) shards.push_back(shard_sequence(full, layout, n, r));
+      EXPECT_TRUE(torch::equal(unshard_sequence(shards, layout), full)) << to_string(layout) << ", N = " << n;
+    }
+  }
+}
+
+CP_TEST(Lesson07, Task1_LengthsThatDoNotDivideAreClearErrors) {
+  layout_positions(Layout::ZigZag, 12, 3, 0);  // counts once implemented
+  expect_error([] { layout_positions(Layout::ZigZag, 9, 3, 0); }, "S = 9 is not divisible by 2N = 6");
+  expect_error([] { layout_positions(Layout::Contiguous, 10, 4, 0); }, "S = 10 is not divisible by N = 4");
+  expect_error([] { layout_positions(Layout::Stripe, 8, 4, 4); }, "rank 4 is not in a world of 4");
+}
+
+// ── Task 2: the work model ────────────────────────────────────────────────────────────────────
+
+CP_TEST(Lesson07, Task2_CausalWorkIsExact) {
+  for (int n : {1, 2, 3, 4, 8}) {
+    const int64_t s = 2 * n * 6;
+    for (Layout layout : kLayouts)
+      EXPECT_EQ(causal_work(layout, s, n), brute_force_work(layout, s, n)) << to_string(layout) << ", N = " << n;
+  }
+}
+
+CP_TEST(Lesson07, Task2_ZigZagIsBalancedAndContiguousIsNot) {
+  for (int n : {2, 4, 8}) {
+    const int64_t s = 2 * n * 64;
+    const std::vector<int64_t> zigzag = causal_work(Layout::ZigZag, s, n);
+    EXPECT_TRUE(std::all_of(zigzag.begin(), zigzag.end(), [&](int64_t w) { return w == zigzag[0]; }))
+        << "zig-zag must give every rank the same work, N = " << n;
+    // Contiguous: rank r has r full blocks and one triangle: max/mean → 2 − 1/N for long chunks.
+    const std::vector<int64_t> contiguous = causal_work(Layout::Contiguous, s, n);
+    const double mean = std::accumulate(contiguous.begin(), contiguous.end(), 0.0) / n;
+    const double c = static_cast<double>(s) / n;
+    const double exact = ((n - 1) * c * c + c * (c + 1) / 2) / (s * (s + 1.0) / 2 / n);
+    EXPECT_DOUBLE_EQ(*std::max_element(contiguous.begin(), contiguous.end()) / mean, exact);
+    EXPECT_NEAR(exact, 2.0 - 1.0 / n, 0.02);
+  }
+}
+
+// ── Task 3: the zig-zag ring ──────────────────────────────────────────────────────────────────
+
+struct Sequence {
+  torch::Tensor q, k, v, dout;
+};
+
+Sequence make_sequence(int world, int64_t chunk, uint64_t seed) {
+  torch::Generator gen = at::detail::createCPUGenerator(seed);
+  const int64_t s = 2 * chunk * world;
+  return {torch::randn({1, 4, s, 32}, gen), torch::randn({1, 2, s, 32}, gen), torch::randn({1, 2, s, 32}, gen),
+          torch::randn({1, 4, s, 32}, gen)};
+}
+
+CP_TEST(Lesson07, Task3_ZigZagForwardAndBackwardMatchFullAttention) {
+  for_each_world([](Comm& comm) {
+    const Sequence seq = make_sequence(comm.size(), 13, 70);
+    const int64_t s = seq.q.size(2);
+    const int n = comm.size(), r = comm.rank();
+    auto mine = [&](const torch::Tensor& t) { return shard_sequence(t, Layout::ZigZag, n, r); };
+    for (bool causal : {false, true}) {
+      const auto [out, lse] = testing::oracle_attention(seq.q, seq.k, seq.v, causal, torch::arange(s), torch::arange(s),
+                                                        1.0 / std::sqrt(32.0));
+      const auto [dq, dk, dv] = testing::oracle_attention_grads(seq.q, seq.k, seq.v, seq.dout, causal, torch::arange(s),
+                                                                torch::arange(s), 1.0 / std::sqrt(32.0));
+      const RingOptions options{causal, {}, true, nullptr};
+      const RingResult f = zigzag_ring_attention_forward(comm, mine(seq.q), mine(seq.k), mine(seq.v), options);
+      const RingGrads g = zigzag_ring_attention_backward(comm, mine(seq.dout), mine(seq.q), mine(seq.k), mine(seq.v),
+                                                         f.out, f.lse, options);
+      const std::string what = std::string(causal ? "causal" : "full") + ", rank " + std::to_string(r) + " of " +
+                               std::to_string(n);
+      EXPECT_TRUE(all_close(f.out, mine(out), "out " + what, kDims));
+      EXPECT_TRUE(all_close(f.lse, shard_sequence(lse, Layout::ZigZag, n, r), "lse " + what, {"b", "h", "s"}));
+      EXPECT_TRUE(all_close(g.dq, mine(dq), "dq " + what, kDims, testing::gradient_tolerance(torch::kFloat, dq)));
+      EXPECT_TRUE(all_close(g.dk, mine(dk), "dk " + what, kDims, testing::gradient_tolerance(torch::kFloat, dk)));
+      EXPECT_TRUE(all_close(g.dv, mine(dv), "dv " + what, kDims, testing::gradient_tolerance(torch::kFloat, dv)));
+    }
+  });
+}
+
+CP_TEST(Lesson07, Task3_EveryRankExecutesTheSameWorkAtEveryStep) {
+  for_each_world([](Comm& comm) {
+    const int64_t c = 16;
+    const Sequence seq = make_sequence(comm.size(), c, 71);
+    auto mine = [&](const torch::Tensor& t) { return shard_sequence(t, Layout::ZigZag, comm.size(), comm.rank()); };
+    const RingStats stats = zigzag_ring_attention_forward(comm, mine(seq.q), mine(seq.k), mine(seq.v),
+                                                          {true, {}, true, nullptr}).stats;
+    EXPECT_EQ(stats.steps_computed, comm.size()) << "zig-zag skips nothing";
+    ASSERT_EQ(stats.steps.size(), static_cast<size_t>(comm.size()));
+    EXPECT_EQ(stats.steps[0].pairs, 4 * c * c) << "step 0: the own two chunks, with the causal mask";
+    for (size_t t = 1; t < stats.steps.size(); ++t)
+      EXPECT_EQ(stats.steps[t].pairs, 2 * c * c) << "step " << t << ": half the block, on every rank";
+  });
+}
+
+CP_TEST(Lesson07, Task3_OddShardLengthIsAClearError) {
+  run_local_world(1, [](Comm& comm) {  // counts once implemented
+    const torch::Tensor t = torch::zeros({1, 1, 4, 32});
+    zigzag_ring_attention_forward(comm, t, t, t, {true, {}, true, nullptr});
+  });
+  expect_error([] {
+    run_local_world(2, [](Comm& comm) {
+      const torch::Tensor t = torch::zeros({1, 1, 5, 32});
+      zigzag_ring_attention_forward(comm, t, t, t);
+    });
+  }, "is S divisible by 2N?");
+}
+
+CP_TEST(Lesson07Cuda, Task3_ZigZagOnCuda) {
+  CP_REQUIRE_GPU();
+  for_each_world([](Comm& comm) {
+    const Sequence seq = make_sequence(comm.size(), 40, 72);
+    const int64_t s = seq.q.size(2);
+    auto mine = [&](const torch::Tensor& t) { return shard_sequence(t, Layout::ZigZag, comm.size(), comm.rank()); };
+    const auto [out, lse] = testing::oracle_attention(seq.q, seq.k, seq.v, true, torch::arange(s), torch::arange(s),
+                                                      1.0 / std::sqrt(32.0));
+    const RingResult f = zigzag_ring_attention_forward(comm, mine(seq.q).cuda(), mine(seq.k).cuda(), mine(seq.v).cuda(),
+                                                       {true, {}, true, nullptr});
+    EXPECT_TRUE(all_close(f.out, mine(out), "out cuda", kDims));
+  });
+}
+
+}  // namespace
+}  // namespace cp
