@@ -108,7 +108,8 @@ int main(int argc, char** argv) {
     std::printf("\nmodel: exact unmasked (query, key) pairs per rank (contiguous → 2 − 1/N).\n"
                 "executed: query × key pairs of the blocks the ring computed (the diagonal block whole).\n"
                 "compute_time: the ranks' summed block times (threads sharing this machine's cores: noisy).\n"
-                "Stripe is balanced too, but computes every block whole with a mask: twice the work of zig-zag.\n");
+                "Stripe is balanced too, but computes every block whole under a mask: 2N/(N+1) times the\n"
+                "pairs zig-zag computes (toward 2 for large N).\n");
     const std::string svg = cli.get("--svg");
     if (!svg.empty()) {
       write_svg(svg, 8, seq);
