@@ -32,6 +32,8 @@ cp::RingLayout ring_layout_of(cp::Layout layout) {
   return cp::contiguous_layout();
 }
 
+constexpr int64_t kBatch = 1, kHeads = 2, kDim = 64;  // the shapes of the measured runs
+
 struct Measured {
   std::vector<double> pairs, ms;  // per rank: dense pairs of the blocks computed, compute time
 };
@@ -39,7 +41,8 @@ struct Measured {
 /// Runs the causal ring forward on `world` threads in `layout` and sums each rank's executed work.
 Measured measure(cp::Layout layout, int world, int64_t seq) {
   torch::manual_seed(1);
-  const torch::Tensor q = torch::randn({1, 2, seq, 64}), k = torch::randn({1, 2, seq, 64}), v = torch::randn({1, 2, seq, 64});
+  const torch::Tensor q = torch::randn({kBatch, kHeads, seq, kDim}), k = torch::randn({kBatch, kHeads, seq, kDim}),
+                      v = torch::randn({kBatch, kHeads, seq, kDim});
   Measured m{std::vector<double>(world), std::vector<double>(world)};
   cp::run_local_world(world, [&](cp::Comm& comm) {
     auto mine = [&](const torch::Tensor& t) { return cp::shard_sequence(t, layout, world, comm.rank()); };
@@ -96,17 +99,22 @@ int main(int argc, char** argv) {
     torch::set_num_threads(1);
     const int64_t seq = cli.get_int("--seq");
     std::printf("Causal attention, S = %lld: imbalance = max/mean over ranks (1.00 is perfect)\n", (long long)seq);
-    std::printf("# %3s %-11s %12s %15s %13s\n", "N", "layout", "model_pairs", "executed_pairs", "compute_time");
+    std::printf("# %3s %-11s %12s %15s %13s %14s\n", "N", "layout", "model_pairs", "executed_pairs", "compute_time",
+                "max_rank_MFLOP");
     for (int world : {2, 4, 8}) {
       for (cp::Layout layout : {cp::Layout::Contiguous, cp::Layout::ZigZag, cp::Layout::Stripe}) {
         const std::vector<int64_t> model = cp::causal_work(layout, seq, world);
         const Measured m = measure(layout, world, seq);
-        std::printf("  %3d %-11s %12.3f %15.3f %13.3f\n", world, cp::to_string(layout).c_str(),
-                    imbalance(std::vector<double>(model.begin(), model.end())), imbalance(m.pairs), imbalance(m.ms));
+        // FLOPs of a block: 4·D per (query, key) pair (QKᵀ and PV, multiply-add = 2), times B·H.
+        const double max_mflop = *std::max_element(m.pairs.begin(), m.pairs.end()) * 4 * kDim * kBatch * kHeads / 1e6;
+        std::printf("  %3d %-11s %12.3f %15.3f %13.3f %14.1f\n", world, cp::to_string(layout).c_str(),
+                    imbalance(std::vector<double>(model.begin(), model.end())), imbalance(m.pairs), imbalance(m.ms),
+                    max_mflop);
       }
     }
     std::printf("\nmodel: exact unmasked (query, key) pairs per rank (contiguous → 2 − 1/N).\n"
-                "executed: query × key pairs of the blocks the ring computed (the diagonal block whole).\n"
+                "executed: query × key pairs of the blocks the ring computed (the diagonal block whole);\n"
+                "max_rank_MFLOP: the busiest rank's executed FLOPs (4·D per pair, times B·H).\n"
                 "compute_time: the ranks' summed block times (threads sharing this machine's cores: noisy).\n"
                 "Stripe is balanced too, but computes every block whole under a mask: 2N/(N+1) times the\n"
                 "pairs zig-zag computes (toward 2 for large N).\n");
