@@ -9,6 +9,11 @@
 
 namespace cp {
 
+AttentionMask plan_mask(const BlockPlan& plan, const torch::Tensor& q_positions, const torch::Tensor& k_positions) {
+  return {plan.causal_mask, q_positions.narrow(0, plan.q_begin, plan.q_len),
+          k_positions.narrow(0, plan.k_begin, plan.k_len)};
+}
+
 RingLayout contiguous_layout() {
   RingLayout layout;
   layout.positions = [](int rank, int, int64_t chunk, torch::Device device) {

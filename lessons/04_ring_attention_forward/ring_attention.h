@@ -38,6 +38,9 @@ struct BlockPlan {
   bool causal_mask = false;
 };
 
+/// The mask of a planned block: the planned rows' positions, causal only if the plan says so.
+AttentionMask plan_mask(const BlockPlan& plan, const torch::Tensor& q_positions, const torch::Tensor& k_positions);
+
 /// How a sequence is laid out over the ranks, as far as the ring is concerned: the global
 /// positions of a rank's tokens, and the block to compute when rank `rank` holds the K/V chunk of
 /// rank `source`. Lesson 04 uses the contiguous layout; lesson 07 adds the zig-zag one.

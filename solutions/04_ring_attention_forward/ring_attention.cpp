@@ -9,6 +9,11 @@
 
 namespace cp {
 
+AttentionMask plan_mask(const BlockPlan& plan, const torch::Tensor& q_positions, const torch::Tensor& k_positions) {
+  return {plan.causal_mask, q_positions.narrow(0, plan.q_begin, plan.q_len),
+          k_positions.narrow(0, plan.k_begin, plan.k_len)};
+}
+
 RingLayout contiguous_layout() {
   RingLayout layout;
   layout.positions = [](int rank, int, int64_t chunk, torch::Device device) {
@@ -106,9 +111,7 @@ RingResult ring_attention_forward(Comm& comm, const torch::Tensor& q, const torc
     } else {
       TraceSpan compute(options.trace, rank, "compute", "block from rank " + std::to_string(source));
       const auto start = std::chrono::steady_clock::now();
-      const torch::Tensor k_pos = options.layout.positions(source, n, chunk, q.device());
-      const AttentionMask mask{plan.causal_mask, q_pos.narrow(0, plan.q_begin, plan.q_len),
-                               k_pos.narrow(0, plan.k_begin, plan.k_len)};
+      const AttentionMask mask = plan_mask(plan, q_pos, options.layout.positions(source, n, chunk, q.device()));
       const AttnResult block = attention_block_forward(q.narrow(2, plan.q_begin, plan.q_len),
                                                        k_cur.narrow(2, plan.k_begin, plan.k_len),
                                                        v_cur.narrow(2, plan.k_begin, plan.k_len), mask, options.scale);

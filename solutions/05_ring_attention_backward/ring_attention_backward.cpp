@@ -54,9 +54,7 @@ RingGrads ring_attention_backward(Comm& comm, const torch::Tensor& dout, const t
     } else {
       TraceSpan compute(options.trace, rank, "compute", "backward block of rank " + std::to_string(source));
       const auto start = std::chrono::steady_clock::now();
-      const torch::Tensor k_pos = options.layout.positions(source, n, chunk, q.device());
-      const AttentionMask mask{plan.causal_mask, q_pos.narrow(0, plan.q_begin, plan.q_len),
-                               k_pos.narrow(0, plan.k_begin, plan.k_len)};
+      const AttentionMask mask = plan_mask(plan, q_pos, options.layout.positions(source, n, chunk, q.device()));
       auto q_rows = [&](const torch::Tensor& t) { return t.narrow(2, plan.q_begin, plan.q_len); };
       auto k_rows = [&](const torch::Tensor& t) { return t.narrow(2, plan.k_begin, plan.k_len); };
       const AttnGrads g = attention_block_backward(q_rows(dout), q_rows(q), k_rows(k_cur), k_rows(v_cur), q_rows(out),

@@ -74,11 +74,18 @@ std::vector<int64_t> causal_work(Layout layout, int64_t seq, int world) {
   return work;
 }
 
+namespace {
+/// RingLayout::positions of one of this lesson's layouts (chunk = tokens per rank).
+auto ring_positions(Layout which) {
+  return [which](int rank, int world, int64_t chunk, torch::Device device) {
+    return layout_positions(which, chunk * world, world, rank).to(device);
+  };
+}
+}  // namespace
+
 RingLayout zigzag_layout() {
   RingLayout layout;
-  layout.positions = [](int rank, int world, int64_t chunk, torch::Device device) {
-    return layout_positions(Layout::ZigZag, chunk * world, world, rank).to(device);
-  };
+  layout.positions = ring_positions(Layout::ZigZag);
   layout.plan = [](int rank, int source, int, int64_t chunk, bool causal) -> BlockPlan {
     const int64_t c = chunk / 2;  // this rank's chunks: rows [0, c) = chunk r, rows [c, 2c) = chunk 2N−1−r
     // BEGIN SOLUTION task 3: the balanced schedule
@@ -101,9 +108,7 @@ RingLayout zigzag_layout() {
 
 RingLayout stripe_layout() {
   RingLayout layout;
-  layout.positions = [](int rank, int world, int64_t chunk, torch::Device device) {
-    return layout_positions(Layout::Stripe, chunk * world, world, rank).to(device);
-  };
+  layout.positions = ring_positions(Layout::Stripe);
   // Interleaved tokens: every visiting chunk is partly visible, so every step computes the whole
   // block with the mask from positions (balanced, but half of each block is masked work).
   layout.plan = [](int, int, int, int64_t chunk, bool causal) { return BlockPlan{true, 0, chunk, 0, chunk, causal}; };
