@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "common/error.h"
+#include "common/memory_meter.h"
 #include "common/world.h"
 #include "testing/harness.h"
 #include "testing/oracle.h"
@@ -268,6 +269,24 @@ CP_TEST(Oracle, TolerancesGrowWithCoarserDtypes) {
   const torch::Tensor expected = torch::full({1}, 1.0, torch::kDouble);
   EXPECT_TRUE(testing::all_close(torch::full({1}, 1.0 + 1.0 / 256), expected, "1 ulp", {}, testing::tolerance_for(torch::kBFloat16)));
   EXPECT_FALSE(testing::all_close(torch::full({1}, 1.0 + 5.0 / 256), expected, "5 ulp", {}, testing::tolerance_for(torch::kBFloat16)));
+}
+
+CP_TEST(MemoryMeter, MeasuresThePeakOfThisThreadsAllocationsOnly) {
+  const torch::Tensor before = torch::zeros({1000});  // existed before: its free must not count
+  MemoryMeter outer;
+  int64_t inner_peak = 0;
+  {
+    MemoryMeter inner;
+    torch::Tensor a = torch::zeros({1000}, torch::kFloat);  // 4000 bytes
+    { const torch::Tensor b = torch::zeros({2000}, torch::kDouble); }  // 16000 bytes, freed
+    std::thread other([] { const torch::Tensor elsewhere = torch::zeros({100000}); });  // another thread
+    other.join();
+    inner_peak = inner.peak_bytes();
+    EXPECT_EQ(inner.current_bytes(), 4000);
+  }
+  EXPECT_EQ(inner_peak, 20000);
+  EXPECT_EQ(outer.peak_bytes(), 20000) << "an inner meter passes its reports on";
+  EXPECT_EQ(outer.current_bytes(), 0);
 }
 
 }  // namespace

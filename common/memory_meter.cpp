@@ -1,0 +1,44 @@
+#include "common/memory_meter.h"
+
+#include <c10/core/Allocator.h>
+#include <c10/util/ThreadLocalDebugInfo.h>
+
+#include <algorithm>
+
+namespace cp {
+
+struct MemoryMeter::Listener : c10::MemoryReportingInfoBase {
+  // The outer listener (an enclosing meter or the profiler) outlives this one: scopes nest.
+  explicit Listener(c10::DebugInfoBase* outer) : outer(dynamic_cast<c10::MemoryReportingInfoBase*>(outer)) {}
+
+  void reportMemoryUsage(void* ptr, int64_t bytes, int64_t total_allocated, int64_t total_reserved,
+                         c10::Device device) override {
+    current += bytes;  // negative for a free
+    peak = std::max(peak, current);
+    if (outer && outer->memoryProfilingEnabled())
+      outer->reportMemoryUsage(ptr, bytes, total_allocated, total_reserved, device);
+  }
+  bool memoryProfilingEnabled() const override { return true; }
+
+  c10::MemoryReportingInfoBase* outer;
+  int64_t current = 0, peak = 0;
+};
+
+// The hook is the thread-local PROFILER_STATE debug info; the guard installs ours for the
+// meter's lifetime and puts back whatever was there.
+struct MemoryMeter::Guard {
+  explicit Guard(std::shared_ptr<Listener> listener)
+      : guard(c10::DebugInfoKind::PROFILER_STATE, std::move(listener)) {}
+  c10::DebugInfoGuard guard;
+};
+
+MemoryMeter::MemoryMeter()
+    : listener_(std::make_shared<Listener>(c10::ThreadLocalDebugInfo::get(c10::DebugInfoKind::PROFILER_STATE))),
+      guard_(std::make_unique<Guard>(listener_)) {}
+
+MemoryMeter::~MemoryMeter() = default;
+
+int64_t MemoryMeter::peak_bytes() const { return listener_->peak; }
+int64_t MemoryMeter::current_bytes() const { return listener_->current; }
+
+}  // namespace cp
