@@ -1,0 +1,206 @@
+// Lesson 09 — the strategies of the course as one autograd operation, inside an attention layer
+// whose weights are replicated and whose sequence is sharded.
+#include "context_parallel_attention.h"
+
+#include <torch/csrc/autograd/custom_function.h>
+
+#include "common/error.h"
+
+namespace cp {
+
+std::string to_string(Strategy strategy) {
+  switch (strategy) {
+    case Strategy::Ring: return "ring";
+    case Strategy::ZigZagRing: return "zig-zag ring";
+    case Strategy::Llama3TwoKernels: return "llama3 two kernels";
+    case Strategy::Llama3Fused: return "llama3 fused";
+  }
+  return "?";
+}
+
+const std::vector<Strategy>& all_strategies() {
+  static const std::vector<Strategy> strategies = {Strategy::Ring, Strategy::ZigZagRing, Strategy::Llama3TwoKernels,
+                                                   Strategy::Llama3Fused};
+  return strategies;
+}
+
+Layout layout_of(Strategy strategy) { return strategy == Strategy::Ring ? Layout::Contiguous : Layout::ZigZag; }
+
+namespace {
+
+bool is_llama3(Strategy s) { return s == Strategy::Llama3TwoKernels || s == Strategy::Llama3Fused; }
+Llama3Mode llama3_mode(Strategy s) { return s == Strategy::Llama3Fused ? Llama3Mode::Fused : Llama3Mode::TwoKernels; }
+
+// Lesson 08 works on packed documents: a batch of B zig-zag shards [B, H, S/N, D] is B documents
+// of S tokens, and rank r's packed rows are exactly its shards, sequence after sequence.
+torch::Tensor to_packed(const torch::Tensor& t) {  // [B, H, S/N, D] → [B·S/N, H, D]
+  return t.transpose(1, 2).reshape({t.size(0) * t.size(2), t.size(1), t.size(3)});
+}
+torch::Tensor from_packed(const torch::Tensor& p, int64_t batch) {  // inverse of to_packed
+  return p.view({batch, p.size(0) / batch, p.size(1), p.size(2)}).transpose(1, 2).contiguous();
+}
+torch::Tensor lse_to_packed(const torch::Tensor& lse) {  // [B, H, S/N] → [H, B·S/N]
+  return lse.transpose(0, 1).reshape({lse.size(1), lse.size(0) * lse.size(2)});
+}
+torch::Tensor lse_from_packed(const torch::Tensor& lse, int64_t batch) {  // inverse of lse_to_packed
+  return lse.view({lse.size(0), batch, lse.size(1) / batch}).transpose(0, 1).contiguous();
+}
+torch::Tensor batch_cu_seqlens(int64_t batch, int64_t seq) { return torch::arange(batch + 1, torch::kLong) * seq; }
+
+int64_t ring_pairs(const RingStats& stats, int64_t batch) {
+  int64_t pairs = 0;
+  for (const StepWork& step : stats.steps) pairs += step.pairs;
+  return pairs * batch;  // StepWork counts per batch element
+}
+
+}  // namespace
+
+StrategyForward strategy_forward(Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                 Strategy strategy, Trace* trace) {
+  CP_CHECK(q.defined() && q.dim() == 4, "q: expected [B, Hq, S/N, D]");
+  const int64_t batch = q.size(0);
+  if (is_llama3(strategy)) {
+    const torch::Tensor cu = batch_cu_seqlens(batch, q.size(2) * comm.size());
+    const Llama3Result r = zigzag_llama3_attention_forward(comm, to_packed(q), to_packed(k), to_packed(v), cu,
+                                                           llama3_mode(strategy), {std::nullopt, trace});
+    return {from_packed(r.out, batch), lse_from_packed(r.lse, batch), {r.stats.pairs, r.stats.bytes_sent}};
+  }
+  const RingOptions options{true, std::nullopt, true, trace};
+  const RingResult r = strategy == Strategy::Ring ? ring_attention_forward(comm, q, k, v, options)
+                                                  : zigzag_ring_attention_forward(comm, q, k, v, options);
+  return {r.out, r.lse, {ring_pairs(r.stats, batch), r.stats.bytes_sent}};
+}
+
+StrategyBackward strategy_backward(Comm& comm, const torch::Tensor& dout, const torch::Tensor& q,
+                                   const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& out,
+                                   const torch::Tensor& lse, Strategy strategy, Trace* trace) {
+  CP_CHECK(q.defined() && q.dim() == 4, "q: expected [B, Hq, S/N, D]");
+  const int64_t batch = q.size(0);
+  if (is_llama3(strategy)) {
+    const torch::Tensor cu = batch_cu_seqlens(batch, q.size(2) * comm.size());
+    const Llama3Grads g = zigzag_llama3_attention_backward(comm, to_packed(dout), to_packed(q), to_packed(k),
+                                                           to_packed(v), to_packed(out), lse_to_packed(lse), cu,
+                                                           llama3_mode(strategy), {std::nullopt, trace});
+    return {from_packed(g.dq, batch), from_packed(g.dk, batch), from_packed(g.dv, batch),
+            {g.stats.pairs, g.stats.bytes_sent}};
+  }
+  const RingOptions options{true, std::nullopt, true, trace};
+  const RingGrads g = strategy == Strategy::Ring ? ring_attention_backward(comm, dout, q, k, v, out, lse, options)
+                                                 : zigzag_ring_attention_backward(comm, dout, q, k, v, out, lse, options);
+  return {g.dq, g.dk, g.dv, {ring_pairs(g.stats, batch), g.stats.bytes_sent}};
+}
+
+namespace {
+
+/// What the backward needs besides tensors; autograd keeps it in the context as a capsule.
+struct AttentionSetup : torch::CustomClassHolder {
+  AttentionSetup(Comm* comm, Strategy strategy) : comm(comm), strategy(strategy) {}
+  Comm* comm;
+  Strategy strategy;
+};
+
+class ContextParallelAttentionFunction : public torch::autograd::Function<ContextParallelAttentionFunction> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& v, Comm* comm, Strategy strategy) {
+    // BEGIN SOLUTION task 1: the autograd function
+    // STUB: // TODO(lesson 09, task 1a): run strategy_forward on contiguous q, k, v; keep for the
+    // STUB: // backward what it needs — the inputs, out and lse (ctx->save_for_backward), and the comm
+    // STUB: // and strategy (ctx->saved_data["setup"] = c10::IValue::make_capsule(
+    // STUB: // c10::make_intrusive<AttentionSetup>(comm, strategy))). Return out.
+    // STUB: (void)ctx, (void)q, (void)k, (void)v, (void)comm, (void)strategy;
+    // STUB: throw NotImplemented("lesson 09, task 1a: the forward of the autograd function");
+    const torch::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+    const StrategyForward f = strategy_forward(*comm, qc, kc, vc, strategy);
+    // Only this rank's shards and results: the gathered or circulated K/V are rebuilt in the
+    // backward, which is what keeps the memory per rank O(S/N).
+    ctx->save_for_backward({qc, kc, vc, f.out, f.lse});
+    ctx->saved_data["setup"] = c10::IValue::make_capsule(c10::make_intrusive<AttentionSetup>(comm, strategy));
+    return f.out;
+    // END SOLUTION
+  }
+
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
+                                               torch::autograd::tensor_list grad_outputs) {
+    // BEGIN SOLUTION task 1: the autograd function
+    // STUB: // TODO(lesson 09, task 1b): get the saved tensors and the setup back
+    // STUB: // (ctx->saved_data["setup"].toCapsule(), then c10::static_intrusive_pointer_cast<AttentionSetup>),
+    // STUB: // run strategy_backward with grad_outputs[0] (made contiguous) and return one gradient per
+    // STUB: // input of forward: dq, dk, dv, and undefined tensors for comm and strategy.
+    // STUB: (void)ctx, (void)grad_outputs;
+    // STUB: throw NotImplemented("lesson 09, task 1b: the backward of the autograd function");
+    const torch::autograd::variable_list saved = ctx->get_saved_variables();
+    const auto setup = c10::static_intrusive_pointer_cast<AttentionSetup>(ctx->saved_data["setup"].toCapsule());
+    const StrategyBackward g = strategy_backward(*setup->comm, grad_outputs[0].contiguous(), saved[0], saved[1],
+                                                 saved[2], saved[3], saved[4], setup->strategy);
+    return {g.dq, g.dk, g.dv, torch::Tensor(), torch::Tensor()};
+    // END SOLUTION
+  }
+};
+
+}  // namespace
+
+torch::Tensor context_parallel_attention(Comm& comm, const torch::Tensor& q, const torch::Tensor& k,
+                                         const torch::Tensor& v, Strategy strategy) {
+  return ContextParallelAttentionFunction::apply(q, k, v, &comm, strategy);
+}
+
+ContextParallelAttentionImpl::ContextParallelAttentionImpl(Comm& comm, const ContextParallelAttentionOptions& options)
+    : comm_(&comm), options_(options) {
+  const int64_t e = options.embed_dim, hq = options.heads_q, hkv = options.heads_kv;
+  CP_CHECK(e > 0 && hq > 0 && hkv > 0, "ContextParallelAttention: embed_dim, heads_q and heads_kv must be positive; got ",
+           e, ", ", hq, ", ", hkv);
+  CP_CHECK(e % hq == 0, "ContextParallelAttention: embed_dim ", e, " is not divisible by heads_q ", hq);
+  CP_CHECK(hq % hkv == 0, "ContextParallelAttention: heads_q ", hq, " is not divisible by heads_kv ", hkv);
+  const int64_t d = e / hq;
+  auto linear = [](int64_t in, int64_t out) { return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false)); };
+  q_proj = register_module("q_proj", linear(e, hq * d));
+  k_proj = register_module("k_proj", linear(e, hkv * d));
+  v_proj = register_module("v_proj", linear(e, hkv * d));
+  o_proj = register_module("o_proj", linear(hq * d, e));
+}
+
+torch::Tensor ContextParallelAttentionImpl::forward(const torch::Tensor& x) {
+  const int64_t e = options_.embed_dim, hq = options_.heads_q, hkv = options_.heads_kv, d = e / hq;
+  CP_CHECK(x.defined() && x.dim() == 3 && x.size(2) == e, "x: expected [B, S/N, E = ", e, "], got ",
+           x.defined() ? x.sizes() : torch::IntArrayRef{});
+  // BEGIN SOLUTION task 2: the layer
+  // STUB: // TODO(lesson 09, task 2): project x to q [B, S/N, Hq·D] and k, v [B, S/N, Hkv·D]; split the
+  // STUB: // heads into [B, H, S/N, D]; context_parallel_attention with options_.strategy; merge the
+  // STUB: // heads back to [B, S/N, Hq·D] and apply o_proj.
+  // STUB: (void)hkv, (void)d;
+  // STUB: throw NotImplemented("lesson 09, task 2: ContextParallelAttention::forward");
+  const int64_t b = x.size(0), s = x.size(1);
+  auto heads = [&](const torch::Tensor& t, int64_t h) { return t.view({b, s, h, d}).transpose(1, 2); };
+  const torch::Tensor o = context_parallel_attention(*comm_, heads(q_proj(x), hq), heads(k_proj(x), hkv),
+                                                     heads(v_proj(x), hkv), options_.strategy);  // [B, Hq, S/N, D]
+  return o_proj(o.transpose(1, 2).reshape({b, s, hq * d}));
+  // END SOLUTION
+}
+
+void broadcast_parameters(Comm& comm, torch::nn::Module& module, int root) {
+  torch::NoGradGuard no_grad;
+  for (torch::Tensor& p : module.parameters()) {
+    torch::Tensor data = p.detach();  // shares p's storage: the broadcast writes into p
+    comm.broadcast(data, root);
+  }
+}
+
+void all_reduce_gradients(Comm& comm, torch::nn::Module& module) {
+  torch::NoGradGuard no_grad;
+  for (torch::Tensor& p : module.parameters()) {
+    // BEGIN SOLUTION task 3: the gradient all-reduce
+    // STUB: // TODO(lesson 09, task 3): every rank saw other tokens, so each holds only its share of the
+    // STUB: // gradient. Sum p.grad() over the ranks (comm.all_reduce, in place) and divide by N. A
+    // STUB: // parameter with no gradient takes part with zeros, so that every rank makes the same calls.
+    // STUB: (void)p, (void)comm;
+    // STUB: throw NotImplemented("lesson 09, task 3: all_reduce_gradients");
+    if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
+    torch::Tensor grad = p.mutable_grad();
+    comm.all_reduce(grad, ReduceOp::Sum);
+    grad.div_(comm.size());
+    // END SOLUTION
+  }
+}
+
+}  // namespace cp
