@@ -38,10 +38,8 @@ test: setup build
 	cmake --build $(BUILD) --target docs
 
 demo: setup $(BUILD)/build.ninja
-	cmake --build $(BUILD) -j $(JOBS) --target lesson04_demo_solution lesson07_demo_solution
-	$(BUILD)/bin/lesson04_demo_solution --world 4 --trace $(BUILD)/ring_trace.json
-	@echo
-	$(BUILD)/bin/lesson07_demo_solution --svg $(BUILD)/zigzag_work.svg
+	cmake --build $(BUILD) -j $(JOBS) --target lesson09_demo_solution
+	$(BUILD)/bin/lesson09_demo_solution --world 4 --out $(BUILD)/demo
 	@echo
 	@echo "Lessons you have solved (make status for details): $$(tools/status --solved | sed 's/^$$/none yet/')"
 

@@ -235,6 +235,15 @@ CP_TEST(Lesson08, Task3_BadInputsAreClearErrors) {
   expect_error([&] { forward(torch::tensor({0, 4, 2, 8}, torch::kLong)); }, "strictly increasing");
   expect_error([&] { forward(torch::tensor({0, 2, 8}, torch::kLong)); }, "document 0 has length 2, not divisible by 2N = 4");
   expect_error([&] { forward(torch::tensor({0, 8}, torch::kLong), 3, 2); }, "divisible");
+  // Boundaries that differ between ranks: every rank fails alike, none is left waiting.
+  auto per_rank = [](const std::vector<std::vector<int64_t>>& cu) {
+    run_local_world(2, [&](Comm& comm) {
+      const torch::Tensor t = torch::zeros({8, 1, 32});  // T = 16
+      zigzag_llama3_attention_forward(comm, t, t, t, torch::tensor(cu[comm.rank()], torch::kLong));
+    });
+  };
+  expect_error([&] { per_rank({{0, 4, 16}, {0, 16}}); }, "ranks pass between 1 and 2 documents");
+  expect_error([&] { per_rank({{0, 4, 16}, {0, 12, 16}}); }, "rank 0 has [0, 4, 16], rank 1 has [0, 12, 16]");
   expect_error([] {
     run_local_world(1, [](Comm& comm) {
       const torch::Tensor t = torch::zeros({1, 4, 8, 32});

@@ -8,11 +8,11 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <fstream>
 #include <numeric>
 
 #include "common/cli.h"
 #include "common/error.h"
+#include "common/svg.h"
 #include "common/world.h"
 #include "zigzag.h"
 
@@ -56,36 +56,17 @@ Measured measure(cp::Layout layout, int world, int64_t seq) {
   return m;
 }
 
-/// A plain SVG: one group of bars per rank, one bar per layout, height = model work.
+/// The model work per rank of each layout as a bar chart (common/svg.h).
 void write_svg(const std::string& path, int world, int64_t seq) {
-  const std::vector<cp::Layout> layouts = {cp::Layout::Contiguous, cp::Layout::ZigZag, cp::Layout::Stripe};
-  const char* colours[] = {"#d95f02", "#1b9e77", "#7570b3"};
-  std::vector<std::vector<int64_t>> work;
-  int64_t top = 1;
-  for (cp::Layout l : layouts) {
-    work.push_back(cp::causal_work(l, seq, world));
-    top = std::max(top, *std::max_element(work.back().begin(), work.back().end()));
+  std::vector<std::string> ranks;
+  for (int r = 0; r < world; ++r) ranks.push_back("rank " + std::to_string(r));
+  std::vector<cp::BarSeries> series;
+  for (cp::Layout l : {cp::Layout::Contiguous, cp::Layout::ZigZag, cp::Layout::Stripe}) {
+    const std::vector<int64_t> work = cp::causal_work(l, seq, world);
+    series.push_back({cp::to_string(l), std::vector<double>(work.begin(), work.end())});
   }
-  const int width = 80 + world * 70, height = 320, base = 260, bar = 18;
-  std::ofstream out(path);
-  CP_CHECK(out.good(), "--svg: cannot write ", path);
-  out << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << width << "\" height=\"" << height
-      << "\" font-family=\"sans-serif\" font-size=\"12\">\n"
-      << "<text x=\"10\" y=\"20\" font-size=\"14\">Causal work per rank (pairs), S = " << seq << ", N = " << world
-      << "</text>\n<line x1=\"50\" y1=\"" << base << "\" x2=\"" << width - 10 << "\" y2=\"" << base
-      << "\" stroke=\"black\"/>\n";
-  for (int r = 0; r < world; ++r) {
-    for (size_t l = 0; l < layouts.size(); ++l) {
-      const double h = 200.0 * work[l][r] / top;
-      out << "<rect x=\"" << 60 + r * 70 + l * bar << "\" y=\"" << base - h << "\" width=\"" << bar - 2
-          << "\" height=\"" << h << "\" fill=\"" << colours[l] << "\"/>\n";
-    }
-    out << "<text x=\"" << 60 + r * 70 + 8 << "\" y=\"" << base + 16 << "\">rank " << r << "</text>\n";
-  }
-  for (size_t l = 0; l < layouts.size(); ++l)
-    out << "<rect x=\"" << 60 + l * 120 << "\" y=\"" << base + 30 << "\" width=\"12\" height=\"12\" fill=\"" << colours[l]
-        << "\"/><text x=\"" << 76 + l * 120 << "\" y=\"" << base + 41 << "\">" << cp::to_string(layouts[l]) << "</text>\n";
-  out << "</svg>\n";
+  cp::write_bar_chart(path, "Causal work per rank (pairs), S = " + std::to_string(seq) + ", N = " + std::to_string(world),
+                      ranks, series);
 }
 
 }  // namespace

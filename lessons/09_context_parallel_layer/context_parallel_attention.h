@@ -103,8 +103,8 @@ TORCH_MODULE(ContextParallelAttention);
 void broadcast_parameters(Comm& comm, torch::nn::Module& module, int root = 0);
 
 /// Averages every parameter's gradient over the ranks of `comm` (sum, then divide by N), in
-/// place, so that each rank takes the same optimizer step. Parameters without a gradient are
-/// skipped on every rank alike.
+/// place, so that each rank takes the same optimizer step. A parameter without a gradient gets
+/// a zero one and takes part, so that every rank makes the same collective calls.
 void all_reduce_gradients(Comm& comm, torch::nn::Module& module);
 
 }  // namespace cp

@@ -36,7 +36,8 @@ void check_same_on_every_rank(Comm& comm, const torch::Tensor& t, const char* ar
   mine[0] = t.dim();
   for (int64_t d = 0; d < t.dim() && d + 2 < kFields; ++d) mine[d + 1] = t.size(d);
   mine[kFields - 1] = static_cast<int64_t>(t.scalar_type());
-  const torch::Tensor all = comm.all_gather(torch::tensor(mine, torch::kLong));  // [N * kFields]
+  // On t's device: the nccl backend only moves GPU tensors.
+  const torch::Tensor all = comm.all_gather(torch::tensor(mine, torch::kLong).to(t.device())).cpu();  // [N * kFields]
   const torch::Tensor rows = all.view({comm.size(), kFields});
   for (int r = 0; r < comm.size(); ++r) {
     if (torch::equal(rows[r], rows[comm.rank()])) continue;

@@ -242,7 +242,21 @@ std::vector<int64_t> check_llama3_inputs(Comm& comm, const torch::Tensor& q, con
   CP_CHECK(k.size(0) == q.size(0), "k: every rank holds T/N tokens of q, k and v; q has ", q.size(0), ", k has ",
            k.size(0));
   check_same_on_every_rank(comm, q, "q");
-  return check_cu_seqlens(cu_seqlens, q.size(0) * comm.size(), comm.size());
+  const std::vector<int64_t> cu = check_cu_seqlens(cu_seqlens, q.size(0) * comm.size(), comm.size());
+  // Other boundaries on another rank would silently attend across the wrong tokens. Every rank
+  // sees the same collective results, so every rank fails alike (no rank is left waiting).
+  const int64_t mine = static_cast<int64_t>(cu.size());
+  torch::Tensor extremes = torch::tensor({mine, -mine}, torch::kLong).to(q.device());  // → max, −min
+  comm.all_reduce(extremes, ReduceOp::Max);
+  const int64_t most = extremes[0].item<int64_t>(), fewest = -extremes[1].item<int64_t>();
+  CP_CHECK(most == fewest, "cu_seqlens: every rank must pass the same document boundaries; ranks pass between ",
+           fewest - 1, " and ", most - 1, " documents");
+  const torch::Tensor all = comm.all_gather(torch::tensor(cu, torch::kLong).to(q.device())).cpu().view({comm.size(), -1});
+  for (int r = 0; r < comm.size(); ++r)
+    CP_CHECK(torch::equal(all[r], all[0]), "cu_seqlens: every rank must pass the same document boundaries; rank 0 has ",
+             torch::IntArrayRef(all[0].data_ptr<int64_t>(), most), ", rank ", r, " has ",
+             torch::IntArrayRef(all[r].data_ptr<int64_t>(), most));
+  return cu;
 }
 
 }  // namespace
