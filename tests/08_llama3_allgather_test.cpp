@@ -181,6 +181,11 @@ struct Case {
 // 1 to 4 documents of different lengths; MHA, GQA with one K/V head, MHA with 4 heads.
 const std::vector<Case> kCases = {{{3}, 1, 1}, {{2, 1, 4}, 4, 1}, {{1, 3, 2, 5}, 4, 4}};
 
+std::string describe(const Case& c, Llama3Mode mode, int rank, int world) {
+  return to_string(mode) + ", " + std::to_string(c.units.size()) + " documents, Hq " + std::to_string(c.hq) +
+         "/Hkv " + std::to_string(c.hkv) + ", rank " + std::to_string(rank) + " of " + std::to_string(world);
+}
+
 CP_TEST(Lesson08, Task3_ForwardMatchesAttentionPerDocument) {
   for_each_world([](Comm& comm) {
     const int n = comm.size(), r = comm.rank();
@@ -191,9 +196,7 @@ CP_TEST(Lesson08, Task3_ForwardMatchesAttentionPerDocument) {
       torch::Tensor first_out;
       for (Llama3Mode mode : kModes) {
         const Llama3Result f = zigzag_llama3_attention_forward(comm, mine(b.q), mine(b.k), mine(b.v), b.cu, mode);
-        const std::string what = to_string(mode) + ", " + std::to_string(c.units.size()) + " documents, Hq " +
-                                 std::to_string(c.hq) + "/Hkv " + std::to_string(c.hkv) + ", rank " +
-                                 std::to_string(r) + " of " + std::to_string(n);
+        const std::string what = describe(c, mode, r, n);
         EXPECT_TRUE(all_close(f.out, mine(e.out), "out " + what, kPackedDims));
         EXPECT_TRUE(all_close(f.lse, mine(e.lse.t()).t(), "lse " + what, {"h", "t"}));
         if (!first_out.defined()) first_out = f.out;
@@ -264,9 +267,7 @@ CP_TEST(Lesson08, Task4_BackwardMatchesAttentionPerDocument) {
         const Llama3Result f = zigzag_llama3_attention_forward(comm, mine(b.q), mine(b.k), mine(b.v), b.cu, mode);
         const Llama3Grads g = zigzag_llama3_attention_backward(comm, mine(b.dout), mine(b.q), mine(b.k), mine(b.v),
                                                                f.out, f.lse, b.cu, mode);
-        const std::string what = to_string(mode) + ", " + std::to_string(c.units.size()) + " documents, Hq " +
-                                 std::to_string(c.hq) + "/Hkv " + std::to_string(c.hkv) + ", rank " +
-                                 std::to_string(r) + " of " + std::to_string(n);
+        const std::string what = describe(c, mode, r, n);
         EXPECT_TRUE(all_close(g.dq, mine(e.dq), "dq " + what, kPackedDims, testing::gradient_tolerance(torch::kFloat, e.dq)));
         EXPECT_TRUE(all_close(g.dk, mine(e.dk), "dk " + what, kPackedDims, testing::gradient_tolerance(torch::kFloat, e.dk)));
         EXPECT_TRUE(all_close(g.dv, mine(e.dv), "dv " + what, kPackedDims, testing::gradient_tolerance(torch::kFloat, e.dv)));
