@@ -5,8 +5,9 @@
 //
 //   build/bin/lesson09_demo_solution --out build/demo                      (make demo)
 //
-// It calls the strategies through the given strategy_forward/strategy_backward, which dispatch
-// to the solutions of lessons 04–08, so it runs whatever you have written in lesson 09.
+// Then one training step of lesson 09's layer with every strategy against the same step on one
+// rank. The strategy table goes through the given strategy_forward/strategy_backward; the layer
+// step runs your lesson 09 code in lesson09_demo_learner.
 //   mpirun -np 4 build/bin/lesson09_demo_solution --backend mpi            (one process per rank)
 //   mpirun -np 4 build/bin/lesson09_demo_solution --backend nccl           (4 GPUs)
 #include <torch/cuda.h>
@@ -17,6 +18,7 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <mutex>
 #include <numeric>
 
 #include "common/cli.h"
@@ -155,6 +157,83 @@ void report(const Problem& p, int world, const std::string& backend,
   cp::write_bar_chart(out_dir + "/peak_memory_per_rank.svg", "Backward peak MiB per rank, " + shape, ranks, memory);
 }
 
+// ── Lesson 09's layer: one training step on N ranks against the same step on one rank ─────────
+
+struct LayerProblem {
+  torch::Tensor x, target;            // [B, S, E]
+  std::vector<torch::Tensor> weights;  // Wq, Wk, Wv, Wo as the Linear layers hold them
+  double lr = 0.5;
+};
+
+LayerProblem make_layer_problem(const Problem& p, int64_t seq) {
+  torch::Generator gen = at::detail::createCPUGenerator(2027);
+  const int64_t e = p.heads_q * p.dim;
+  auto data = [&](std::vector<int64_t> shape, double scale) {
+    return (torch::randn(shape, gen) * scale).to(p.device, p.dtype);
+  };
+  const double w = 1.0 / std::sqrt(static_cast<double>(e));
+  return {data({p.batch, seq, e}, 1.0), data({p.batch, seq, e}, 1.0),
+          {data({p.heads_q * p.dim, e}, w), data({p.heads_kv * p.dim, e}, w), data({p.heads_kv * p.dim, e}, w),
+           data({e, p.heads_q * p.dim}, w)}};
+}
+
+struct StepResult {
+  torch::Tensor y;                     // this rank's output shard [B, S/N, E]
+  double loss;                         // the global loss: the mean over all tokens
+  std::vector<torch::Tensor> weights;  // after one SGD step
+  double ms;
+};
+
+/// Forward, loss, backward, gradient all-reduce and one SGD step of ContextParallelAttention on
+/// this rank's shard of lp.x, the way a training loop runs it.
+StepResult layer_step(cp::Comm& comm, const Problem& p, const LayerProblem& lp, cp::Strategy strategy) {
+  cp::ContextParallelAttention layer(
+      comm, cp::ContextParallelAttentionOptions{p.heads_q * p.dim, p.heads_q, p.heads_kv, strategy});
+  layer->to(p.device, p.dtype);
+  {
+    torch::NoGradGuard no_grad;
+    const std::vector<torch::Tensor> params = layer->parameters();  // registration order: q, k, v, o
+    for (size_t i = 0; i < params.size(); ++i) params[i].copy_(lp.weights[i]);
+  }
+  auto mine = [&](const torch::Tensor& t) {
+    return cp::shard_sequence(t, cp::layout_of(strategy), comm.size(), comm.rank(), 1).contiguous();
+  };
+  comm.barrier();
+  const auto start = std::chrono::steady_clock::now();
+  const torch::Tensor y = layer->forward(mine(lp.x));
+  const torch::Tensor local_loss = (y * mine(lp.target)).sum() / (y.size(0) * y.size(1));  // mean over my tokens
+  local_loss.backward();
+  cp::all_reduce_gradients(comm, *layer);
+  StepResult r;
+  {
+    torch::NoGradGuard no_grad;
+    for (torch::Tensor& w : layer->parameters()) {
+      w.sub_(w.grad() * lp.lr);
+      r.weights.push_back(w.detach().clone());
+    }
+  }
+  r.ms = elapsed_ms(start, p.device);
+  torch::Tensor loss = local_loss.detach().to(torch::kDouble).reshape({1});
+  comm.all_reduce(loss, cp::ReduceOp::Sum);
+  r.loss = loss.item<double>() / comm.size();
+  r.y = y.detach();
+  return r;
+}
+
+/// Rank 0 prints the layer table: figures[s][rank] = {Δloss, max|Δy|, max|Δweight|, ms}.
+void report_layer(const Problem& p, int64_t seq, const std::vector<std::vector<std::vector<double>>>& figures) {
+  std::printf("\nOne training step of lesson 09's layer (E = %lld, S = %lld, SGD): N ranks against one rank\n",
+              (long long)(p.heads_q * p.dim), (long long)seq);
+  std::printf("# %-19s %10s %10s %12s %9s\n", "strategy", "|d_loss|", "max|d_y|", "max|d_weight|", "step_ms");
+  for (size_t s = 0; s < figures.size(); ++s) {
+    std::vector<double> worst(4, 0.0);
+    for (const std::vector<double>& rank : figures[s])
+      for (size_t f = 0; f < worst.size(); ++f) worst[f] = std::max(worst[f], rank[f]);
+    std::printf("  %-19s %10.2e %10.2e %12.2e %9.1f\n", cp::to_string(cp::all_strategies()[s]).c_str(), worst[0],
+                worst[1], worst[2], worst[3]);
+  }
+}
+
 torch::ScalarType parse_dtype(const std::string& name) {
   if (name == "float32") return torch::kFloat;
   if (name == "float64") return torch::kDouble;
@@ -178,6 +257,7 @@ int main(int argc, char** argv) {
          {"--dim", "64", "head dim D (CUDA kernels: 32, 64 or 128)"},
          {"--dtype", "float32", "float32 or float64 (CPU); float32, float16 or bfloat16 (CUDA)"},
          {"--device", "auto", "cpu, cuda, or auto (cuda when a GPU is usable; the nccl backend needs cuda)"},
+         {"--layer-seq", "1024", "sequence length of the layer's training step (divisible by 2N)"},
          {"--out", "build/demo", "folder for the charts and the trace"}});
     if (cli.help_requested()) return 0;
     torch::set_num_threads(1);  // the ranks share the machine's cores
@@ -196,10 +276,13 @@ int main(int argc, char** argv) {
     const auto start = std::chrono::steady_clock::now();
     const Reference ref = make_reference(p);  // once per process: shared by the rank threads of a local world
     const double reference_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const int64_t layer_seq = cli.get_int("--layer-seq");
+    const LayerProblem layer = make_layer_problem(p, layer_seq);
+    StepResult one_rank;  // the layer's step on a world of one rank: plain attention over all of S
+    std::once_flag one_rank_done;  // computed once per process, after the strategy table
     cp::Trace trace;
     std::string trace_path = out_dir + "/trace.json";
     int world = 0;
-    std::string backend_name;
     cp::run_world(backend, cli.get_int("--world"), [&](cp::Comm& comm) {
       const int n = comm.size();
       CP_CHECK(p.seq % (2 * n) == 0, "--seq: S = ", p.seq, " is not divisible by 2N = ", 2 * n,
@@ -214,12 +297,29 @@ int main(int argc, char** argv) {
           for (int f = 0; f < kFields; ++f) per_rank[r][f] = table[r * kFields + f].item<double>();
         figures.push_back(per_rank);
       }
+      CP_CHECK(layer_seq % (2 * n) == 0, "--layer-seq: S = ", layer_seq, " is not divisible by 2N = ", 2 * n);
+      if (comm.rank() == 0) report(p, n, cp::to_string(comm.backend()), figures, out_dir);
+      std::call_once(one_rank_done, [&] {
+        cp::run_local_world(1, [&](cp::Comm& one) { one_rank = layer_step(one, p, layer, cp::Strategy::Ring); });
+      });
+      std::vector<std::vector<std::vector<double>>> layer_figures;  // [strategy][rank][Δloss, Δy, Δw, ms]
+      for (cp::Strategy strategy : cp::all_strategies()) {
+        const StepResult r = layer_step(comm, p, layer, strategy);
+        double dw = 0;
+        for (size_t i = 0; i < r.weights.size(); ++i) dw = std::max(dw, max_error(r.weights[i], one_rank.weights[i]));
+        const torch::Tensor y_ref = cp::shard_sequence(one_rank.y, cp::layout_of(strategy), n, comm.rank(), 1);
+        const std::vector<double> row = {std::abs(r.loss - one_rank.loss), max_error(r.y, y_ref), dw, r.ms};
+        const torch::Tensor table = comm.all_gather(torch::tensor(row, torch::kDouble).to(p.device)).cpu();
+        std::vector<std::vector<double>> per_rank(n, std::vector<double>(row.size()));
+        for (int r2 = 0; r2 < n; ++r2)
+          for (size_t f = 0; f < row.size(); ++f) per_rank[r2][f] = table[r2 * row.size() + f].item<double>();
+        layer_figures.push_back(per_rank);
+      }
       // One process per rank: each writes its own spans.
       if (backend != cp::Backend::Local) trace_path = out_dir + "/trace.rank" + std::to_string(comm.rank()) + ".json";
       if (comm.rank() != 0) return;
       world = n;
-      backend_name = cp::to_string(comm.backend());
-      report(p, n, backend_name, figures, out_dir);
+      report_layer(p, layer_seq, layer_figures);
     });
     trace.write(trace_path);
     if (world == 0) return 0;  // not rank 0 of an mpirun world: rank 0 prints
@@ -228,6 +328,10 @@ int main(int argc, char** argv) {
                 "  %-44s compute and communication spans of every strategy\n"
                 "                                               (chrome://tracing or ui.perfetto.dev)\n",
                 reference_s, out_dir.c_str(), std::filesystem::path(trace_path).filename().string().c_str());
+  } catch (const cp::NotImplemented& e) {
+    std::printf("\nThe layer's training step runs your lesson 09 code, which is not finished yet:\n  %s\n"
+                "(make status shows where you are; make demo runs the solutions.)\n", e.what());
+    return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 2;
