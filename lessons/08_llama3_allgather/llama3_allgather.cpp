@@ -147,15 +147,16 @@ torch::Tensor gathered_positions(const torch::Tensor& cu_seqlens, int world, tor
 
 /// The K/V rows of every rank gathered (one collective) and put in document order:
 /// [T, 2, Hkv, D], k at [:, 0] and v at [:, 1].
-torch::Tensor gather_kv(Comm& comm, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& cu_seqlens,
+/// @param positions gathered_positions(...): where each gathered row belongs
+torch::Tensor gather_kv(Comm& comm, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& positions,
                         Llama3Stats& stats, Trace* trace) {
   TraceSpan span(trace, comm.rank(), "comm", "all-gather K/V");
   // BEGIN YOUR CODE task 3: gather K/V in document order
   // TODO(lesson 08, task 3a): stack k and v ([T/N, 2, Hkv, D]) so one all_gather moves both;
   // the result holds rank 0's rows, then rank 1's, … each in zig-zag local order. Put every
-  // row at its packed position (gathered_positions). Count
+  // row at its packed position (`positions`). Count
   // stats.bytes_sent += (N − 1) × the stacked shard's bytes.
-  (void)comm, (void)k, (void)v, (void)cu_seqlens, (void)stats;
+  (void)comm, (void)k, (void)v, (void)positions, (void)stats;
   throw NotImplemented("lesson 08, task 3a: gather_kv");
   // END YOUR CODE
 }
@@ -224,7 +225,8 @@ Llama3Result zigzag_llama3_attention_forward(Comm& comm, const torch::Tensor& q,
   const std::vector<int64_t> cu = check_llama3_inputs(comm, q, k, v, cu_seqlens);
   const std::vector<Llama3Call> calls = plan_on(cu, comm.size(), comm.rank(), mode, q.device());
   Llama3Result result;
-  const torch::Tensor kv = gather_kv(comm, k, v, cu_seqlens, result.stats, options.trace);  // [T, 2, Hkv, D]
+  const torch::Tensor positions = gathered_positions(cu_seqlens, comm.size(), q.device());
+  const torch::Tensor kv = gather_kv(comm, k, v, positions, result.stats, options.trace);  // [T, 2, Hkv, D]
   // BEGIN YOUR CODE task 3: the forward
   // TODO(lesson 08, task 3b): out like q, lse float32 [Hq, T/N]. For each call of the plan:
   // its queries (select the q_rows), its K/V slices (select the kv_rows of kv; k = [:, 0],
@@ -248,13 +250,14 @@ Llama3Grads zigzag_llama3_attention_backward(Comm& comm, const torch::Tensor& do
            lse.defined() ? lse.sizes() : torch::IntArrayRef{});
   const std::vector<Llama3Call> calls = plan_on(cu, comm.size(), comm.rank(), mode, q.device());
   Llama3Grads result;
-  const torch::Tensor kv = gather_kv(comm, k, v, cu_seqlens, result.stats, options.trace);  // [T, 2, Hkv, D]
+  const torch::Tensor positions = gathered_positions(cu_seqlens, comm.size(), q.device());
+  const torch::Tensor kv = gather_kv(comm, k, v, positions, result.stats, options.trace);  // [T, 2, Hkv, D]
   // BEGIN YOUR CODE task 4: the backward
   // TODO(lesson 08, task 4): dq float32 [T/N, Hq, D]; dkv float32 zeros like kv, in document
   // order. For each call: varlen_attention_backward on its rows and slices; dq of its query
   // rows; dK and dV *added* (index_add_) at its kv_rows (all rows when undefined): both groups
   // use the first half of every document, so overwriting would lose one group's share. Then
-  // put dkv back in the gathered order (rows at gathered_positions) and
+  // put dkv back in the gathered order (the rows at `positions`) and
   // reduce_scatter it: each rank gets the sum over all ranks of its own rows. Count the
   // reduce-scatter as (N − 1) × this rank's share of bytes, and each call's pairs.
   (void)calls, (void)kv, (void)dout, (void)out, (void)lse;

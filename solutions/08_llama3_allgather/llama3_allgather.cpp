@@ -185,21 +185,21 @@ torch::Tensor gathered_positions(const torch::Tensor& cu_seqlens, int world, tor
 
 /// The K/V rows of every rank gathered (one collective) and put in document order:
 /// [T, 2, Hkv, D], k at [:, 0] and v at [:, 1].
-torch::Tensor gather_kv(Comm& comm, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& cu_seqlens,
+/// @param positions gathered_positions(...): where each gathered row belongs
+torch::Tensor gather_kv(Comm& comm, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& positions,
                         Llama3Stats& stats, Trace* trace) {
   TraceSpan span(trace, comm.rank(), "comm", "all-gather K/V");
   // BEGIN SOLUTION task 3: gather K/V in document order
   // STUB: // TODO(lesson 08, task 3a): stack k and v ([T/N, 2, Hkv, D]) so one all_gather moves both;
   // STUB: // the result holds rank 0's rows, then rank 1's, … each in zig-zag local order. Put every
-  // STUB: // row at its packed position (gathered_positions). Count
+  // STUB: // row at its packed position (`positions`). Count
   // STUB: // stats.bytes_sent += (N − 1) × the stacked shard's bytes.
-  // STUB: (void)comm, (void)k, (void)v, (void)cu_seqlens, (void)stats;
+  // STUB: (void)comm, (void)k, (void)v, (void)positions, (void)stats;
   // STUB: throw NotImplemented("lesson 08, task 3a: gather_kv");
   const torch::Tensor local = torch::stack({k, v}, 1);  // [T/N, 2, Hkv, D]
   stats.bytes_sent += (comm.size() - 1) * local.numel() * local.element_size();
   const torch::Tensor gathered = comm.all_gather(local);  // [T, 2, Hkv, D], rank-major
-  return torch::empty_like(gathered).index_copy_(0, gathered_positions(cu_seqlens, comm.size(), gathered.device()),
-                                                 gathered);
+  return torch::empty_like(gathered).index_copy_(0, positions, gathered);
   // END SOLUTION
 }
 
@@ -267,7 +267,8 @@ Llama3Result zigzag_llama3_attention_forward(Comm& comm, const torch::Tensor& q,
   const std::vector<int64_t> cu = check_llama3_inputs(comm, q, k, v, cu_seqlens);
   const std::vector<Llama3Call> calls = plan_on(cu, comm.size(), comm.rank(), mode, q.device());
   Llama3Result result;
-  const torch::Tensor kv = gather_kv(comm, k, v, cu_seqlens, result.stats, options.trace);  // [T, 2, Hkv, D]
+  const torch::Tensor positions = gathered_positions(cu_seqlens, comm.size(), q.device());
+  const torch::Tensor kv = gather_kv(comm, k, v, positions, result.stats, options.trace);  // [T, 2, Hkv, D]
   // BEGIN SOLUTION task 3: the forward
   // STUB: // TODO(lesson 08, task 3b): out like q, lse float32 [Hq, T/N]. For each call of the plan:
   // STUB: // its queries (select the q_rows), its K/V slices (select the kv_rows of kv; k = [:, 0],
@@ -307,13 +308,14 @@ Llama3Grads zigzag_llama3_attention_backward(Comm& comm, const torch::Tensor& do
            lse.defined() ? lse.sizes() : torch::IntArrayRef{});
   const std::vector<Llama3Call> calls = plan_on(cu, comm.size(), comm.rank(), mode, q.device());
   Llama3Grads result;
-  const torch::Tensor kv = gather_kv(comm, k, v, cu_seqlens, result.stats, options.trace);  // [T, 2, Hkv, D]
+  const torch::Tensor positions = gathered_positions(cu_seqlens, comm.size(), q.device());
+  const torch::Tensor kv = gather_kv(comm, k, v, positions, result.stats, options.trace);  // [T, 2, Hkv, D]
   // BEGIN SOLUTION task 4: the backward
   // STUB: // TODO(lesson 08, task 4): dq float32 [T/N, Hq, D]; dkv float32 zeros like kv, in document
   // STUB: // order. For each call: varlen_attention_backward on its rows and slices; dq of its query
   // STUB: // rows; dK and dV *added* (index_add_) at its kv_rows (all rows when undefined): both groups
   // STUB: // use the first half of every document, so overwriting would lose one group's share. Then
-  // STUB: // put dkv back in the gathered order (rows at gathered_positions) and
+  // STUB: // put dkv back in the gathered order (the rows at `positions`) and
   // STUB: // reduce_scatter it: each rank gets the sum over all ranks of its own rows. Count the
   // STUB: // reduce-scatter as (N − 1) × this rank's share of bytes, and each call's pairs.
   // STUB: (void)calls, (void)kv, (void)dout, (void)out, (void)lse;
@@ -335,7 +337,7 @@ Llama3Grads zigzag_llama3_attention_backward(Comm& comm, const torch::Tensor& do
     else dkv.add_(dkv_call);
     result.stats.pairs += call_pairs(call);
   }
-  const torch::Tensor gathered_order = dkv.index_select(0, gathered_positions(cu_seqlens, comm.size(), dkv.device()));
+  const torch::Tensor gathered_order = dkv.index_select(0, positions);
   TraceSpan span(options.trace, comm.rank(), "comm", "reduce-scatter dK/dV");
   const torch::Tensor mine = comm.reduce_scatter(gathered_order);  // [T/N, 2, Hkv, D]
   result.stats.bytes_sent += (comm.size() - 1) * mine.numel() * mine.element_size();
