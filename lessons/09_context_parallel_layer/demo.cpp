@@ -110,6 +110,17 @@ std::vector<double> run_strategy(cp::Comm& comm, const Problem& p, const Referen
   return row;
 }
 
+/// Every rank's row of figures, in rank order (a collective: all ranks take part).
+std::vector<std::vector<double>> gather_rows(cp::Comm& comm, const std::vector<double>& row, torch::Device device) {
+  const torch::Tensor table = comm.all_gather(torch::tensor(row, torch::kDouble).to(device)).cpu();
+  std::vector<std::vector<double>> rows(comm.size());
+  for (int r = 0; r < comm.size(); ++r) {
+    const double* first = table.data_ptr<double>() + r * row.size();
+    rows[r].assign(first, first + row.size());
+  }
+  return rows;
+}
+
 double imbalance(const std::vector<double>& per_rank) {
   const double mean = std::accumulate(per_rank.begin(), per_rank.end(), 0.0) / per_rank.size();
   return mean > 0 ? *std::max_element(per_rank.begin(), per_rank.end()) / mean : 1.0;
@@ -285,19 +296,12 @@ int main(int argc, char** argv) {
     int world = 0;
     cp::run_world(backend, cli.get_int("--world"), [&](cp::Comm& comm) {
       const int n = comm.size();
-      CP_CHECK(p.seq % (2 * n) == 0, "--seq: S = ", p.seq, " is not divisible by 2N = ", 2 * n,
-               " (zig-zag cuts S into 2N chunks)");
+      for (const auto& [option, seq] : {std::pair<const char*, int64_t>{"--seq", p.seq}, {"--layer-seq", layer_seq}})
+        CP_CHECK(seq % (2 * n) == 0, option, ": S = ", seq, " is not divisible by 2N = ", 2 * n,
+                 " (zig-zag cuts S into 2N chunks)");
       std::vector<std::vector<std::vector<double>>> figures;  // [strategy][rank][field]
-      for (cp::Strategy strategy : cp::all_strategies()) {
-        const std::vector<double> row = run_strategy(comm, p, ref, strategy, &trace);
-        // Every rank's row, in rank order (a collective: all ranks take part).
-        const torch::Tensor table = comm.all_gather(torch::tensor(row, torch::kDouble).to(p.device)).cpu();
-        std::vector<std::vector<double>> per_rank(n, std::vector<double>(kFields));
-        for (int r = 0; r < n; ++r)
-          for (int f = 0; f < kFields; ++f) per_rank[r][f] = table[r * kFields + f].item<double>();
-        figures.push_back(per_rank);
-      }
-      CP_CHECK(layer_seq % (2 * n) == 0, "--layer-seq: S = ", layer_seq, " is not divisible by 2N = ", 2 * n);
+      for (cp::Strategy strategy : cp::all_strategies())
+        figures.push_back(gather_rows(comm, run_strategy(comm, p, ref, strategy, &trace), p.device));
       if (comm.rank() == 0) report(p, n, cp::to_string(comm.backend()), figures, out_dir);
       std::call_once(one_rank_done, [&] {
         cp::run_local_world(1, [&](cp::Comm& one) { one_rank = layer_step(one, p, layer, cp::Strategy::Ring); });
@@ -308,12 +312,8 @@ int main(int argc, char** argv) {
         double dw = 0;
         for (size_t i = 0; i < r.weights.size(); ++i) dw = std::max(dw, max_error(r.weights[i], one_rank.weights[i]));
         const torch::Tensor y_ref = cp::shard_sequence(one_rank.y, cp::layout_of(strategy), n, comm.rank(), 1);
-        const std::vector<double> row = {std::abs(r.loss - one_rank.loss), max_error(r.y, y_ref), dw, r.ms};
-        const torch::Tensor table = comm.all_gather(torch::tensor(row, torch::kDouble).to(p.device)).cpu();
-        std::vector<std::vector<double>> per_rank(n, std::vector<double>(row.size()));
-        for (int r2 = 0; r2 < n; ++r2)
-          for (size_t f = 0; f < row.size(); ++f) per_rank[r2][f] = table[r2 * row.size() + f].item<double>();
-        layer_figures.push_back(per_rank);
+        layer_figures.push_back(
+            gather_rows(comm, {std::abs(r.loss - one_rank.loss), max_error(r.y, y_ref), dw, r.ms}, p.device));
       }
       // One process per rank: each writes its own spans.
       if (backend != cp::Backend::Local) trace_path = out_dir + "/trace.rank" + std::to_string(comm.rank()) + ".json";
