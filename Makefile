@@ -1,5 +1,6 @@
 # Context Parallelism from Scratch — the commands of the course (a thin front of CMake).
 #   make test            set up, build, run every solution test, check skeletons, build docs
+#   make setup-cuda-cpu  build CUDA on the CPU (chipStar + PoCL) from source: kernels run without a GPU
 #   make demo            the course demo (solutions)
 #   make lesson N=01     build and run the learner tests of one lesson
 #   make status          per-lesson table of the learner's progress
@@ -16,10 +17,14 @@ export BUILD_DIR = $(BUILD)
 NN = $(shell printf '%02d' $$((10#$(N))) 2>/dev/null)
 CMAKE_ARGS = -G Ninja -DCP_CUDA_ARCHS="$(CP_CUDA_ARCHS)" $(if $(CMAKE_PREFIX_PATH),-DCMAKE_PREFIX_PATH="$(CMAKE_PREFIX_PATH)")
 
-.PHONY: setup configure build test demo lesson status compare docs bench skeletons check-skeletons gpu-check clean need-N
+.PHONY: setup setup-cuda-cpu configure build test demo lesson status compare docs bench skeletons check-skeletons gpu-check clean need-N
 
 setup:
 	@tools/setup
+
+# SRC=folder of source tarballs (offline), else the pinned commits are cloned; PREFIX=/opt/cuda-cpu
+setup-cuda-cpu:
+	tools/build-cuda-on-cpu $(if $(SRC),--src $(SRC)) $(if $(PREFIX),--prefix $(PREFIX))
 
 $(BUILD)/build.ninja:
 	@tools/setup
@@ -33,7 +38,9 @@ build: $(BUILD)/build.ninja
 	cmake --build $(BUILD) -j $(JOBS)
 
 test: setup build
+	rm -f $(BUILD)/kernel-results/*.jsonl
 	cd $(BUILD) && ctest -L solution --output-on-failure
+	tools/kernel-report
 	tools/skeleton --check
 	cmake --build $(BUILD) --target docs
 

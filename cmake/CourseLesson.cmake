@@ -2,24 +2,53 @@
 # CTest entries (DESIGN.md §2, §5).
 
 set(CP_TEST_TIMEOUT 600 CACHE STRING "CTest TIMEOUT of each test entry, in seconds")
+file(MAKE_DIRECTORY ${PROJECT_BINARY_DIR}/kernel-results)
 
 # Registers the test program `exe` in CTest as <name>_local (in-process, world sizes
 # 1, 2, 3, 4, 8 on the local backend) and <name>_mpi<N> for each N in MPI_RANKS (under mpirun,
-# on the mpi backend). With a CUDA LibTorch the CUDA suites (names ending in "Cuda") get entries
-# of their own labelled `cuda`; without one they run inside the CPU entry and skip with the reason.
+# on the mpi backend). With a CUDA LibTorch the CUDA-tensor suites (names ending in "Cuda") get
+# an entry of their own labelled `cuda`; without one they run inside the CPU entry and skip with
+# the reason. KERNELS: the program has kernel suites (names ending in "Kernels", launch_* on
+# device buffers); with CUDA they get the entry <name>_kernels_<label>, labelled cuda (nvcc) or
+# cuda-cpu (CUDA on the CPU); with CUDA on the CPU the solution's entry fails if a kernel test
+# skipped or none ran (the device always exists there): a kernel that did not run is unverified.
 function(course_register_tests exe name)
-  cmake_parse_arguments(ARG "" "" "LABELS;MPI_RANKS" ${ARGN})
+  cmake_parse_arguments(ARG "KERNELS" "" "LABELS;MPI_RANKS" ${ARGN})
   set(env "GTEST_COLOR=no;OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;OMPI_MCA_rmaps_base_oversubscribe=1")
+  set(own_entries "")
   if(CP_TORCH_CUDA)
-    set(cpu_filter "--gtest_filter=-*Cuda.*")
-  else()
-    set(cpu_filter "")
+    list(APPEND own_entries "*Cuda.*")
+  endif()
+  set(kernel_entry OFF)
+  if(ARG_KERNELS AND CP_WITH_CUDA)
+    set(kernel_entry ON)
+    list(APPEND own_entries "*Kernels.*")
+  endif()
+  set(cpu_filter "")
+  if(own_entries)
+    list(JOIN own_entries ":" excluded)
+    set(cpu_filter "--gtest_filter=-${excluded}")
   endif()
   add_test(NAME ${name}_local COMMAND ${exe} ${cpu_filter})
   set_tests_properties(${name}_local PROPERTIES LABELS "${ARG_LABELS};local;cpu" TIMEOUT ${CP_TEST_TIMEOUT} ENVIRONMENT "${env}")
   if(CP_TORCH_CUDA)
     add_test(NAME ${name}_cuda_local COMMAND ${exe} "--gtest_filter=*Cuda.*")
     set_tests_properties(${name}_cuda_local PROPERTIES LABELS "${ARG_LABELS};local;cuda" TIMEOUT ${CP_TEST_TIMEOUT} ENVIRONMENT "${env}")
+  endif()
+  if(kernel_entry)
+    set(entry ${name}_kernels_${CP_CUDA_TEST_LABEL})
+    add_test(NAME ${entry} COMMAND ${exe} "--gtest_filter=*Kernels.*")
+    set_tests_properties(${entry} PROPERTIES LABELS "${ARG_LABELS};local;${CP_CUDA_TEST_LABEL}" TIMEOUT ${CP_TEST_TIMEOUT})
+    if("solution" IN_LIST ARG_LABELS)
+      # Results for tools/kernel-report (make test prints the counts).
+      set_tests_properties(${entry} PROPERTIES ENVIRONMENT
+                           "${env};CP_RESULTS_JSON=${PROJECT_BINARY_DIR}/kernel-results/${name}.jsonl")
+      if(CP_CUDA_BACKEND STREQUAL "cuda-cpu")  # the CPU device always exists: a skip is a defect
+        set_tests_properties(${entry} PROPERTIES FAIL_REGULAR_EXPRESSION "\\[  SKIPPED \\]|Summary: 0 passed")
+      endif()
+    else()
+      set_tests_properties(${entry} PROPERTIES ENVIRONMENT "${env}")
+    endif()
   endif()
   if(CP_WITH_MPI)
     foreach(np IN LISTS ARG_MPI_RANKS)
@@ -37,6 +66,35 @@ function(course_add_test)
   add_executable(${ARG_NAME}_test ${ARG_SOURCES})
   target_link_libraries(${ARG_NAME}_test PRIVATE cp_testing)
   course_register_tests(${ARG_NAME}_test ${ARG_NAME} LABELS "${ARG_NAME};solution" MPI_RANKS ${ARG_MPI_RANKS})
+endfunction()
+
+# nvcc and clang reject different mistakes. When the kernels are built for CUDA on the CPU and
+# nvcc is installed too, nvcc also compiles each .cu file for every architecture of
+# CP_CUDA_ARCHS (compile only: objects in nvcc-check/, never linked or run); the target
+# nvcc_check, part of the default build, depends on them.
+set(CP_NVCC_CHECK_OUTPUTS "" CACHE INTERNAL "")
+function(course_nvcc_check sources include_dirs out_dir)
+  if(NOT (CP_CUDA_BACKEND STREQUAL "cuda-cpu" AND CP_NVCC))
+    return()
+  endif()
+  set(flags -std=c++17 -DCP_WITH_CUDA=1 -I${PROJECT_SOURCE_DIR})
+  foreach(dir IN LISTS include_dirs)
+    list(APPEND flags -I${dir})
+  endforeach()
+  foreach(arch IN LISTS CP_CUDA_ARCHS)
+    list(APPEND flags -gencode arch=compute_${arch},code=sm_${arch})
+  endforeach()
+  set(outputs ${CP_NVCC_CHECK_OUTPUTS})
+  foreach(source IN LISTS sources)
+    get_filename_component(name ${source} NAME)
+    set(object ${PROJECT_BINARY_DIR}/nvcc-check/${out_dir}/${name}.o)
+    add_custom_command(OUTPUT ${object}
+      COMMAND ${CP_NVCC} ${flags} -MD -MF ${object}.d -c ${source} -o ${object}
+      DEPENDS ${source} DEPFILE ${object}.d
+      COMMENT "nvcc compile check (${CP_CUDA_ARCHS}): ${out_dir}/${name}" VERBATIM)
+    list(APPEND outputs ${object})
+  endforeach()
+  set(CP_NVCC_CHECK_OUTPUTS ${outputs} CACHE INTERNAL "")
 endfunction()
 
 # One lesson: for each variant (learner = lessons/NN_slug, solution = solutions/NN_slug) a
@@ -72,14 +130,20 @@ function(course_add_lesson nn slug)
       # Kernels never see torch: an object library with only the CUDA runtime and our headers.
       add_library(${lib}_kernels OBJECT ${cu_sources})
       target_include_directories(${lib}_kernels PRIVATE ${include_dirs} ${PROJECT_SOURCE_DIR})
-      target_link_libraries(${lib}_kernels PRIVATE CUDA::cudart)
+      target_link_libraries(${lib}_kernels PRIVATE cp_cuda_runtime)
       target_compile_definitions(${lib}_kernels PRIVATE CP_WITH_CUDA=1)
       target_sources(${lib} PRIVATE $<TARGET_OBJECTS:${lib}_kernels>)
+      course_nvcc_check("${cu_sources}" "${include_dirs}" ${variant}/${folder})
     endif()
 
     add_executable(${lib}_test ${PROJECT_SOURCE_DIR}/tests/${folder}_test.cpp)
     target_link_libraries(${lib}_test PRIVATE ${lib} cp_testing)
-    course_register_tests(${lib}_test ${lib} LABELS "lesson${nn};${variant}" MPI_RANKS ${ARG_MPI_RANKS})
+    if(cu_sources)
+      set(kernels KERNELS)
+    else()
+      set(kernels "")
+    endif()
+    course_register_tests(${lib}_test ${lib} ${kernels} LABELS "lesson${nn};${variant}" MPI_RANKS ${ARG_MPI_RANKS})
 
     if(EXISTS ${lesson_dir}/demo.cpp)
       add_executable(lesson${nn}_demo_${variant} ${lesson_dir}/demo.cpp)

@@ -3,6 +3,8 @@
 #include <torch/cuda.h>
 #include <torch/types.h>
 
+#include <mutex>
+
 #if CP_TORCH_CUDA
 #include <c10/cuda/CUDAStream.h>
 #endif
@@ -11,15 +13,53 @@
 
 namespace cp {
 
+const char* cuda_backend_name() {
+#if defined(CP_CUDA_CPU_ROOT)
+  return "cuda-cpu";
+#elif CP_WITH_CUDA
+  return "nvcc";
+#else
+  return "none";
+#endif
+}
+
 std::string cuda_unavailable_reason() {
 #if !CP_WITH_CUDA
-  return "this build has no CUDA (nvcc was not found when CMake configured it)";
+  return "this build has no CUDA (neither nvcc nor CUDA on the CPU was found when CMake configured it)";
+#elif defined(CP_CUDA_CPU_ROOT)
+  return "this build runs CUDA on the CPU (chipStar), which executes kernels on raw buffers but has no "
+         "LibTorch CUDA tensors; the kernel tests (suites ending in Kernels) check the same kernels";
 #elif !CP_TORCH_CUDA
   return "LibTorch is a CPU-only build (e.g. Debian's libtorch-dev); configure with a CUDA "
          "LibTorch (CMAKE_PREFIX_PATH) to run the CUDA path";
 #else
   if (!torch::cuda::is_available()) return "no CUDA GPU is visible to this process";
   return "";
+#endif
+}
+
+std::string cuda_runtime_unavailable_reason() {
+#if !CP_WITH_CUDA
+  return "this build has no CUDA. Without a GPU, run `make setup` (it installs CUDA on the CPU when "
+         "../shared/cuda-cpu is present) or `make setup-cuda-cpu` (builds it), then a fresh build (make clean)";
+#else
+  static std::once_flag once;
+  static std::string reason;
+  std::call_once(once, [] {
+    int count = 0;
+    const cudaError_t status = cudaGetDeviceCount(&count);
+    if (status != cudaSuccess) {
+      reason = std::string("no CUDA device: cudaGetDeviceCount failed with ") + cudaGetErrorName(status);
+    } else if (count == 0) {
+      reason = "no CUDA device";
+    }
+#if !defined(CP_CUDA_CPU_ROOT)
+    if (!reason.empty())
+      reason += " (this build uses nvcc; on a machine without a GPU, CUDA on the CPU runs the kernels: "
+                "configure a new build with -DCP_CUDA=cuda-cpu after make setup)";
+#endif
+  });
+  return reason;
 #endif
 }
 

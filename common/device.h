@@ -12,6 +12,13 @@ namespace cp {
 /// Why CUDA tensors cannot be used here, or "" when they can. Tests skip with this reason.
 std::string cuda_unavailable_reason();
 
+/// Why kernels cannot be launched on raw device buffers (cudaMalloc) here, or "" when they can:
+/// a GPU with nvcc's runtime, or CUDA on the CPU (chipStar + PoCL).
+std::string cuda_runtime_unavailable_reason();
+
+/// "cuda-cpu" (chipStar + PoCL on the CPU), "nvcc" or "none": what this build runs kernels with.
+const char* cuda_backend_name();
+
 #if CP_WITH_CUDA
 /// The stream LibTorch's next operation on the current device runs on: kernels are launched
 /// on it so that they are ordered with the tensor operations around them.

@@ -5,9 +5,15 @@
 #include <random>
 
 #include "common/error.h"
+#include "common/tensor_checks.h"
 #include "online_softmax.h"
+#include "testing/device_buffer.h"
 #include "testing/harness.h"
 #include "testing/oracle.h"
+
+#if CP_WITH_CUDA
+#include "online_softmax.cuh"
+#endif
 
 namespace cp {
 namespace {
@@ -178,7 +184,7 @@ CP_TEST(Lesson01, Task3_BadInputGivesClearErrors) {
   expect_error([] { online_softmax(torch::Tensor()); }, "x: tensor is undefined");
 }
 
-// ── Task 4: the CUDA kernel ───────────────────────────────────────────────────────────────────
+// ── Task 4: the CUDA kernel through online_softmax() on CUDA tensors (a GPU and a CUDA LibTorch) ──
 
 CP_TEST(Lesson01Cuda, Task4_OnlineSoftmaxMatchesTorchForEveryDtype) {
   CP_REQUIRE_GPU();
@@ -212,6 +218,75 @@ CP_TEST(Lesson01Cuda, Task4_MinusInfRowsAndManyRows) {
   EXPECT_TRUE(all_close(y, oracle_softmax(x), "online_softmax cuda"));
   EXPECT_TRUE(all_close(row_logsumexp(x.cuda()), oracle_logsumexp(x), "row_logsumexp cuda"));
 }
+
+// ── Task 4: the CUDA kernel on device buffers (a GPU, or CUDA on the CPU) ─────────────────────
+//
+// launch_online_softmax is called directly on cudaMalloc'd copies of the input: these tests need
+// no LibTorch CUDA, so they run on a GPU and, without one, on the CPU through chipStar + PoCL.
+
+#if CP_WITH_CUDA
+using testing::DeviceBuffer;
+using testing::TestStream;
+
+/// What to ask the kernel for: both outputs, or one of them (the other pointer is null).
+enum class Outputs { Both, YOnly, LseOnly };
+
+/// Runs the kernel on x [rows, n] (any float dtype) and compares y and lse with the oracle.
+void check_kernel(const torch::Tensor& x, const std::string& what, Outputs outputs = Outputs::Both) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  TestStream stream;
+  DeviceBuffer x_dev(x), y_dev({rows, n}, x.scalar_type()), lse_dev({rows}, torch::kFloat);
+  const bool want_y = outputs != Outputs::LseOnly, want_lse = outputs != Outputs::YOnly;
+  launch_online_softmax(x_dev.get(), want_y ? y_dev.get() : nullptr, want_lse ? lse_dev.as<float>() : nullptr, rows,
+                        n, kernel_dtype(x, "x"), stream.get());
+  const std::string where = what + " (x " + std::string(c10::toString(x.scalar_type())) + " rows=" +
+                            std::to_string(rows) + " n=" + std::to_string(n) + ")";
+  // lse is float32 computed from the dtype's values: the oracle takes the same rounded values.
+  if (want_y) EXPECT_TRUE(all_close(y_dev.to_host(stream.get()), oracle_softmax(x), "y " + where, {"row", "j"}));
+  if (want_lse) EXPECT_TRUE(all_close(lse_dev.to_host(stream.get()), oracle_logsumexp(x), "lse " + where, {"row"}));
+}
+
+CP_TEST(Lesson01Kernels, Task4_KernelMatchesTorchForEveryDtypeAndLength) {
+  CP_REQUIRE_CUDA_RUNTIME();
+  for (auto dtype : {torch::kFloat, torch::kHalf, torch::kBFloat16})
+    for (int64_t n : kLengths)  // fp16 holds exp() of differences up to ~11: outliers of 1e3 still test the shift
+      check_kernel(random_with_outliers({3, n}, 400 + n, 3.0, 1e3).to(dtype), "online softmax kernel");
+}
+
+CP_TEST(Lesson01Kernels, Task4_RowCountsThatLeaveWarpsOfTheLastBlockIdle) {
+  // One warp per row, four warps per block: 1, 2, 3, 5, 6, 7, 9 and 1001 rows leave warps of the
+  // last block without a row. Those warps must still reach every shuffle (see the README).
+  CP_REQUIRE_CUDA_RUNTIME();
+  for (int64_t rows : {1, 2, 3, 4, 5, 6, 7, 9, 1001})
+    check_kernel(random_with_outliers({rows, 65}, 700 + rows), "online softmax kernel");
+}
+
+CP_TEST(Lesson01Kernels, Task4_EmptyShapesAndSingleElementRows) {
+  CP_REQUIRE_CUDA_RUNTIME();
+  check_kernel(torch::zeros({0, 7}), "no rows");
+  check_kernel(torch::zeros({5, 0}), "empty rows (lse = -inf)");
+  check_kernel(random_with_outliers({6, 1}, 3), "one element per row (y = 1)");
+}
+
+CP_TEST(Lesson01Kernels, Task4_MinusInfRowsGiveZerosAndMinusInfNeverNan) {
+  CP_REQUIRE_CUDA_RUNTIME();
+  torch::Tensor x = random_with_outliers({9, 130}, 600);
+  x[2].fill_(-INFINITY);
+  x[7].fill_(-INFINITY);
+  x.index_put_({torch::indexing::Slice(), torch::indexing::Slice(0, 130, 3)}, -INFINITY);
+  for (auto dtype : {torch::kFloat, torch::kBFloat16}) check_kernel(x.to(dtype), "-inf rows and columns");
+}
+
+CP_TEST(Lesson01Kernels, Task4_EachOutputCanBeLeftOut) {
+  // online_softmax() asks for y only, row_logsumexp() for lse only: the other pointer is null.
+  CP_REQUIRE_CUDA_RUNTIME();
+  const torch::Tensor x = random_with_outliers({6, 100}, 31);
+  check_kernel(x, "y only", Outputs::YOnly);
+  check_kernel(x, "lse only", Outputs::LseOnly);
+}
+#else
+CP_KERNEL_TESTS_NEED_CUDA(Lesson01Kernels)
+#endif
 
 }  // namespace
 }  // namespace cp

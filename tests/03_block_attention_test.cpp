@@ -2,12 +2,19 @@
 #include <torch/types.h>
 
 #include <algorithm>
+#include <functional>
 #include <random>
 
 #include "block_attention.h"
 #include "common/error.h"
+#include "common/tensor_checks.h"
+#include "testing/device_buffer.h"
 #include "testing/harness.h"
 #include "testing/oracle.h"
+
+#if CP_WITH_CUDA
+#include "block_attention.cuh"
+#endif
 
 namespace cp {
 namespace {
@@ -41,22 +48,41 @@ std::string describe(const Case& c) {
          (c.causal ? " causal" : "");
 }
 
-/// attention_block_forward on `device` against the oracle, out and lse.
-void check_forward(const Case& c, const AttentionMask& mask, torch::Device device, torch::ScalarType dtype,
-                   uint64_t seed, const std::string& what) {
+/// One way of running the forward on rounded inputs (dtype tensors on the CPU): the public
+/// function on a device, or the kernel on device buffers. `mask` may leave positions undefined;
+/// q_pos and k_pos are the positions it stands for.
+using ForwardFn = std::function<AttnResult(const Inputs& in, const AttentionMask& mask, const torch::Tensor& q_pos,
+                                           const torch::Tensor& k_pos, double scale)>;
+
+/// attention_block_forward on `device`.
+ForwardFn forward_on(torch::Device device) {
+  return [device](const Inputs& in, const AttentionMask& mask, const torch::Tensor&, const torch::Tensor&, double) {
+    AttentionMask on_device = mask;
+    if (mask.q_positions.defined()) on_device.q_positions = mask.q_positions.to(device);
+    if (mask.k_positions.defined()) on_device.k_positions = mask.k_positions.to(device);
+    return attention_block_forward(in.q.to(device), in.k.to(device), in.v.to(device), on_device);
+  };
+}
+
+/// `forward` against the oracle, out and lse.
+void check_forward_with(const ForwardFn& forward, const Case& c, const AttentionMask& mask, torch::ScalarType dtype,
+                        uint64_t seed, const std::string& what) {
   const Inputs in = random_inputs(c, seed, dtype);
   const torch::Tensor q_pos = mask.q_positions.defined() ? mask.q_positions : torch::arange(c.seq_q);
   const torch::Tensor k_pos = mask.k_positions.defined() ? mask.k_positions : torch::arange(c.seq_k);
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
   const auto [out, lse] = oracle_attention(in.q, in.k, in.v, mask.causal, q_pos, k_pos, scale);
-  AttentionMask on_device = mask;
-  if (mask.q_positions.defined()) on_device.q_positions = mask.q_positions.to(device);
-  if (mask.k_positions.defined()) on_device.k_positions = mask.k_positions.to(device);
-  const AttnResult r = attention_block_forward(in.q.to(device), in.k.to(device), in.v.to(device), on_device);
+  const AttnResult r = forward(in, mask, q_pos, k_pos, scale);
   EXPECT_EQ(r.out.scalar_type(), dtype);
   EXPECT_EQ(r.lse.scalar_type(), torch::kFloat);
-  EXPECT_TRUE(all_close(r.out, out, "out " + what + " " + describe(c), kDims));
-  EXPECT_TRUE(all_close(r.lse, lse, "lse " + what + " " + describe(c), {"b", "h", "s"}));
+  const std::string where = what + " " + std::string(c10::toString(dtype)) + " " + describe(c);
+  EXPECT_TRUE(all_close(r.out, out, "out " + where, kDims));
+  EXPECT_TRUE(all_close(r.lse, lse, "lse " + where, {"b", "h", "s"}));
+}
+
+void check_forward(const Case& c, const AttentionMask& mask, torch::Device device, torch::ScalarType dtype,
+                   uint64_t seed, const std::string& what) {
+  check_forward_with(forward_on(device), c, mask, dtype, seed, what);
 }
 
 /// Shapes from 1 to 1000+, never multiples of the 32-key tile or the 64-row block only.
@@ -66,22 +92,12 @@ const std::vector<Case> kCases = {
     {2, 2, 2, 70, 70, 128, true},    {1, 1, 1, 1030, 1100, 32, true}, {1, 2, 1, 1000, 1001, 64, false},
 };
 
-/// Position layouts of a chunk of `s` queries and `s` keys.
+/// The causal position layouts of the oracle, as masks.
 std::vector<std::pair<std::string, AttentionMask>> position_layouts(int64_t s) {
-  torch::Generator gen = at::detail::createCPUGenerator(77);
-  auto sorted_random = [&](int64_t n) { return std::get<0>(torch::randperm(4 * n, gen).narrow(0, 0, n).sort()); };
-  // Zig-zag with N = 2 over 4 chunks of c tokens: rank 0 holds chunks 0 and 3 (its queries),
-  // rank 1 holds chunks 1 and 2 (the keys visiting it).
-  const int64_t c = s / 2;
-  const torch::Tensor zigzag_q = torch::cat({torch::arange(0, c), torch::arange(3 * c, 3 * c + s - c)});
-  return {
-      {"contiguous", {true, {}, {}}},
-      {"keys before queries (a later ring step)", {true, torch::arange(s) + 3 * s, torch::arange(s) + s}},
-      {"keys after queries (fully masked)", {true, torch::arange(s), torch::arange(s) + s}},
-      {"shifted by half a chunk", {true, torch::arange(s) + s / 2, torch::arange(s)}},
-      {"zig-zag chunk pairs", {true, zigzag_q, torch::arange(c, c + s)}},
-      {"random sorted", {true, sorted_random(s), sorted_random(s)}},
-  };
+  std::vector<std::pair<std::string, AttentionMask>> masks;
+  for (const testing::PositionLayout& l : testing::causal_position_layouts(s))
+    masks.push_back({l.name, {true, l.q_pos, l.k_pos}});
+  return masks;
 }
 
 // ── Task 1: the merge ─────────────────────────────────────────────────────────────────────────
@@ -139,8 +155,8 @@ CP_TEST(Lesson03, Task1_MergeRejectsWrongShapesAndDtypes) {
 
 CP_TEST(Lesson03, Task2_ForwardMatchesTorch) {
   uint64_t seed = 10;
-  for (const Case& c : kCases) check_forward(c, {c.causal, {}, {}}, torch::kCPU, torch::kFloat, seed++, "cpu float32");
-  check_forward({1, 3, 1, 45, 50, 24, true}, {true, {}, {}}, torch::kCPU, torch::kDouble, 3, "cpu float64, D=24");
+  for (const Case& c : kCases) check_forward(c, {c.causal, {}, {}}, torch::kCPU, torch::kFloat, seed++, "cpu");
+  check_forward({1, 3, 1, 45, 50, 24, true}, {true, {}, {}}, torch::kCPU, torch::kDouble, 3, "cpu");
 }
 
 CP_TEST(Lesson03, Task2_CausalMaskFromGlobalPositions) {
@@ -203,7 +219,7 @@ CP_TEST(Lesson03, Task2_BadInputGivesClearErrors) {
                "mask.k_positions: expected an int64 tensor");
 }
 
-// ── Task 3: the CUDA kernel ───────────────────────────────────────────────────────────────────
+// ── Task 3: the CUDA kernel through attention_block_forward() on CUDA tensors (GPU + CUDA LibTorch) ──
 
 CP_TEST(Lesson03Cuda, Task3_ForwardMatchesTorchForEveryDtypeAndHeadDim) {
   CP_REQUIRE_GPU();
@@ -243,6 +259,63 @@ CP_TEST(Lesson03Cuda, Task3_SplitKMergeOnCudaAndUnsupportedHeadDim) {
     EXPECT_NE(std::string(e.what()).find("head dim 48 is not supported by the CUDA kernel"), std::string::npos) << e.what();
   }
 }
+
+// ── Task 3: the CUDA kernel on device buffers (a GPU, or CUDA on the CPU) ─────────────────────
+//
+// launch_block_attention_forward is called directly on cudaMalloc'd copies of the inputs: no
+// LibTorch CUDA is needed, so these run on a GPU and, without one, on the CPU (chipStar + PoCL).
+
+#if CP_WITH_CUDA
+using testing::DeviceBuffer;
+using testing::TestStream;
+
+AttnResult forward_kernel(const Inputs& in, const AttentionMask& mask, const torch::Tensor& q_pos,
+                          const torch::Tensor& k_pos, double scale) {
+  const BlockAttentionParams p{in.q.size(0), in.q.size(1), in.k.size(1), in.q.size(2), in.k.size(2), in.q.size(3),
+                               static_cast<float>(scale), mask.causal};
+  TestStream stream;
+  DeviceBuffer q(in.q), k(in.k), v(in.v), q_pos_dev(q_pos), k_pos_dev(k_pos);
+  DeviceBuffer out(in.q.sizes().vec(), in.q.scalar_type()), lse({p.batch, p.heads_q, p.seq_q}, torch::kFloat);
+  launch_block_attention_forward(q.get(), k.get(), v.get(), out.get(), lse.as<float>(), q_pos_dev.as<int64_t>(),
+                                 k_pos_dev.as<int64_t>(), p, kernel_dtype(in.q, "q"), stream.get());
+  return {out.to_host(stream.get()), lse.to_host(stream.get())};
+}
+
+CP_TEST(Lesson03Kernels, Task3_KernelMatchesTorchForEveryDtypeHeadDimAndGroup) {
+  CP_REQUIRE_CUDA_RUNTIME();
+  std::vector<Case> cases = kCases;             // Hq/Hkv = 1, 2 and 8; D = 32, 64, 128
+  cases.push_back({2, 8, 2, 50, 77, 64, true});  // Hq/Hkv = 4
+  uint64_t seed = 40;
+  for (auto dtype : {torch::kFloat, torch::kHalf, torch::kBFloat16})
+    for (const Case& c : cases) check_forward_with(forward_kernel, c, {c.causal, {}, {}}, dtype, seed++, "kernel");
+}
+
+CP_TEST(Lesson03Kernels, Task3_KernelCausalMaskFromGlobalPositions) {
+  CP_REQUIRE_CUDA_RUNTIME();
+  const int64_t s = 150;  // more than two 64-row blocks and four 32-key tiles, a multiple of neither
+  for (const auto& [name, mask] : position_layouts(s))
+    for (int64_t d : {32, 64, 128})
+      check_forward_with(forward_kernel, {1, 4, 2, s, s, d, true}, mask, d == 64 ? torch::kBFloat16 : torch::kFloat,
+                         22, "kernel, " + name);
+}
+
+CP_TEST(Lesson03Kernels, Task3_KernelEmptyShapes) {
+  // No keys: every row attends to nothing (out 0, lse -inf). No queries or no heads: nothing to do.
+  CP_REQUIRE_CUDA_RUNTIME();
+  for (const Case& c : {Case{1, 2, 1, 10, 0, 32, false}, Case{1, 2, 1, 0, 10, 64, true}, Case{0, 2, 2, 5, 5, 128, false}})
+    check_forward_with(forward_kernel, c, {c.causal, {}, {}}, torch::kFloat, 5, "kernel, empty");
+}
+
+CP_TEST(Lesson03Kernels, Task3_KernelRejectsAnUnsupportedHeadDim) {
+  CP_REQUIRE_CUDA_RUNTIME();
+  const Case c{1, 1, 1, 4, 4, 48, false};
+  check_forward_with(forward_kernel, {1, 1, 1, 4, 4, 32, false}, {}, torch::kFloat, 1, "kernel");  // counts once implemented
+  expect_error([&] { forward_kernel(random_inputs(c, 1), {}, torch::arange(4), torch::arange(4), 1.0); },
+               "unsupported head dim 48");
+}
+#else
+CP_KERNEL_TESTS_NEED_CUDA(Lesson03Kernels)
+#endif
 
 }  // namespace
 }  // namespace cp

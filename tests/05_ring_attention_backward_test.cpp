@@ -3,10 +3,16 @@
 #include <torch/types.h>
 
 #include "common/error.h"
+#include "common/tensor_checks.h"
 #include "common/world.h"
 #include "ring_attention_backward.h"
+#include "testing/device_buffer.h"
 #include "testing/harness.h"
 #include "testing/oracle.h"
+
+#if CP_WITH_CUDA
+#include "block_backward.cuh"
+#endif
 
 namespace cp {
 namespace {
@@ -34,24 +40,31 @@ torch::Tensor shard(const torch::Tensor& t, const Comm& comm) {
   return t.narrow(2, comm.rank() * chunk, chunk);
 }
 
-/// Block backward (after lesson 03's forward) against autograd, on `device` in `dtype`.
-void check_block_backward(const Inputs& in, const AttentionMask& mask, torch::Device device, torch::ScalarType dtype,
-                          const std::string& what) {
+/// dq, dk, dv against float64 autograd of the same rounded inputs (`in` in the dtype under test).
+void expect_grads_match_autograd(const AttnGrads& g, const Inputs& in, bool causal, const torch::Tensor& q_pos,
+                                 const torch::Tensor& k_pos, const std::string& what) {
   const double scale = 1.0 / std::sqrt(static_cast<double>(in.q.size(3)));
-  auto on = [&](const torch::Tensor& t) { return t.to(device, dtype); };
+  const auto [dq, dk, dv] = oracle_attention_grads(in.q, in.k, in.v, in.dout, causal, q_pos, k_pos, scale);
+  const torch::ScalarType dtype = in.q.scalar_type();
+  for (const auto& [grad, name] : {std::pair{&g.dq, "dq"}, {&g.dk, "dk"}, {&g.dv, "dv"}})
+    EXPECT_EQ(grad->scalar_type(), torch::kFloat) << name << " is an accumulator: float32";
+  const std::string where = what + " " + std::string(c10::toString(dtype));
+  EXPECT_TRUE(all_close(g.dq, dq, "dq " + where, kDims, testing::gradient_tolerance(dtype, dq)));
+  EXPECT_TRUE(all_close(g.dk, dk, "dk " + where, kDims, testing::gradient_tolerance(dtype, dk)));
+  EXPECT_TRUE(all_close(g.dv, dv, "dv " + where, kDims, testing::gradient_tolerance(dtype, dv)));
+}
+
+/// Block backward (after lesson 03's forward) against autograd, on `device` in `dtype`.
+void check_block_backward(const Inputs& in32, const AttentionMask& mask, torch::Device device, torch::ScalarType dtype,
+                          const std::string& what) {
+  const Inputs in{in32.q.to(dtype), in32.k.to(dtype), in32.v.to(dtype), in32.dout.to(dtype)};
+  auto on = [&](const torch::Tensor& t) { return t.to(device); };
   const torch::Tensor q_pos = mask.q_positions.defined() ? mask.q_positions : torch::arange(in.q.size(2));
   const torch::Tensor k_pos = mask.k_positions.defined() ? mask.k_positions : torch::arange(in.k.size(2));
   AttentionMask on_device{mask.causal, q_pos.to(device), k_pos.to(device)};
   const AttnResult fwd = attention_block_forward(on(in.q), on(in.k), on(in.v), on_device);
   const AttnGrads g = attention_block_backward(on(in.dout), on(in.q), on(in.k), on(in.v), fwd.out, fwd.lse, on_device);
-  // The oracle differentiates the same rounded inputs.
-  const auto [dq, dk, dv] =
-      oracle_attention_grads(on(in.q), on(in.k), on(in.v), on(in.dout), mask.causal, q_pos, k_pos, scale);
-  for (const auto& [grad, name] : {std::pair{&g.dq, "dq"}, {&g.dk, "dk"}, {&g.dv, "dv"}})
-    EXPECT_EQ(grad->scalar_type(), torch::kFloat) << name << " is an accumulator: float32";
-  EXPECT_TRUE(all_close(g.dq, dq, "dq " + what, kDims, testing::gradient_tolerance(dtype, dq)));
-  EXPECT_TRUE(all_close(g.dk, dk, "dk " + what, kDims, testing::gradient_tolerance(dtype, dk)));
-  EXPECT_TRUE(all_close(g.dv, dv, "dv " + what, kDims, testing::gradient_tolerance(dtype, dv)));
+  expect_grads_match_autograd(g, in, mask.causal, q_pos, k_pos, what);
 }
 
 // ── Task 1: the block backward on the CPU ─────────────────────────────────────────────────────
@@ -89,7 +102,7 @@ CP_TEST(Lesson05, Task1_BadInputGivesClearErrors) {
                "dout: expected q's shape");
 }
 
-// ── Task 2: the CUDA kernels ──────────────────────────────────────────────────────────────────
+// ── Task 2: the CUDA kernels through attention_block_backward() on CUDA tensors (GPU + CUDA LibTorch) ──
 
 CP_TEST(Lesson05Cuda, Task2_BlockBackwardOnCudaForEveryDtypeAndHeadDim) {
   CP_REQUIRE_GPU();
@@ -170,6 +183,80 @@ CP_TEST(Lesson05Cuda, Task3_RingBackwardOnCudaForEveryDtype) {
       for (bool causal : {false, true}) check_ring_backward(comm, torch::kCUDA, dtype, causal, true);
   });
 }
+
+// ── Task 2: the CUDA kernels on device buffers (a GPU, or CUDA on the CPU) ────────────────────
+//
+// launch_block_attention_backward is called directly on cudaMalloc'd copies of the inputs, with
+// out and lse from the float64 oracle (so a wrong forward cannot hide or cause a failure here):
+// no LibTorch CUDA is needed, so these run on a GPU and, without one, on the CPU (chipStar + PoCL).
+
+#if CP_WITH_CUDA
+using testing::DeviceBuffer;
+using testing::TestStream;
+
+/// The backward kernels on `in` (any kernel dtype), given the forward's out and lse.
+AttnGrads backward_kernel(const Inputs& in, bool causal, const torch::Tensor& q_pos, const torch::Tensor& k_pos) {
+  const BlockAttentionParams p{in.q.size(0), in.q.size(1), in.k.size(1), in.q.size(2), in.k.size(2), in.q.size(3),
+                               static_cast<float>(1.0 / std::sqrt(static_cast<double>(in.q.size(3)))), causal};
+  const auto [out64, lse64] = testing::oracle_attention(in.q, in.k, in.v, causal, q_pos, k_pos, p.scale);
+  const torch::Tensor out = out64.to(in.q.scalar_type());  // what the forward kernel would have written
+  // delta = rowsum(dO ∘ O), the term every dS of the row subtracts (float32, as the wrapper gives it).
+  const torch::Tensor delta = (in.dout.to(torch::kDouble) * out.to(torch::kDouble)).sum(-1).to(torch::kFloat);
+  TestStream stream;
+  DeviceBuffer q(in.q), k(in.k), v(in.v), dout(in.dout), lse(lse64.to(torch::kFloat)), delta_dev(delta);
+  DeviceBuffer q_pos_dev(q_pos), k_pos_dev(k_pos);
+  DeviceBuffer dq(in.q.sizes().vec(), torch::kFloat), dk(in.k.sizes().vec(), torch::kFloat),
+      dv(in.k.sizes().vec(), torch::kFloat);
+  launch_block_attention_backward(q.get(), k.get(), v.get(), dout.get(), lse.as<float>(), delta_dev.as<float>(),
+                                  q_pos_dev.as<int64_t>(), k_pos_dev.as<int64_t>(), dq.as<float>(), dk.as<float>(),
+                                  dv.as<float>(), p, kernel_dtype(in.q, "q"), stream.get());
+  return {dq.to_host(stream.get()), dk.to_host(stream.get()), dv.to_host(stream.get())};
+}
+
+/// The kernels on random inputs of the given shape (rounded to dtype) against autograd.
+void check_backward_kernel(int64_t b, int64_t hq, int64_t hkv, int64_t sq, int64_t sk, int64_t d, bool causal,
+                           const torch::Tensor& q_pos, const torch::Tensor& k_pos, torch::ScalarType dtype,
+                           uint64_t seed, const std::string& what) {
+  const Inputs in32 = random_inputs(b, hq, hkv, sq, sk, d, seed);
+  const Inputs in{in32.q.to(dtype), in32.k.to(dtype), in32.v.to(dtype), in32.dout.to(dtype)};
+  const std::string where = what + " B=" + std::to_string(b) + " Hq=" + std::to_string(hq) + " Hkv=" +
+                            std::to_string(hkv) + " Sq=" + std::to_string(sq) + " Sk=" + std::to_string(sk) +
+                            " D=" + std::to_string(d) + (causal ? " causal" : "");
+  expect_grads_match_autograd(backward_kernel(in, causal, q_pos, k_pos), in, causal, q_pos, k_pos, where);
+}
+
+CP_TEST(Lesson05Kernels, Task2_KernelsMatchAutogradForEveryDtypeHeadDimAndGroup) {
+  CP_REQUIRE_CUDA_RUNTIME();
+  uint64_t seed = 50;
+  const torch::Tensor q_pos = torch::arange(70), k_pos = torch::arange(97);  // 70 and 97: no multiple of a tile
+  for (auto dtype : {torch::kFloat, torch::kHalf, torch::kBFloat16})
+    for (int64_t d : {32, 64, 128})
+      for (bool causal : {false, true}) {
+        const int64_t heads_kv = int64_t{4} >> (seed % 3);  // Hq/Hkv = 1, 2, 4 in turn
+        check_backward_kernel(2, 4, heads_kv, 70, 97, d, causal, q_pos, k_pos, dtype, seed++, "kernels");
+      }
+}
+
+CP_TEST(Lesson05Kernels, Task2_KernelsCausalMaskFromGlobalPositions) {
+  // Includes rows without a visible key (their dq and their share of dk, dv are exactly 0).
+  CP_REQUIRE_CUDA_RUNTIME();
+  const int64_t s = 100;
+  for (const testing::PositionLayout& l : testing::causal_position_layouts(s))
+    for (int64_t d : {32, 128})
+      check_backward_kernel(1, 4, 2, s, s, d, true, l.q_pos, l.k_pos, d == 32 ? torch::kFloat : torch::kBFloat16, 23,
+                            "kernels, " + l.name);
+}
+
+CP_TEST(Lesson05Kernels, Task2_KernelsEmptyShapes) {
+  // No keys: dq = 0. No queries: dk = dv = 0. No batch: nothing to do.
+  CP_REQUIRE_CUDA_RUNTIME();
+  check_backward_kernel(1, 2, 1, 10, 0, 32, false, torch::arange(10), torch::arange(0), torch::kFloat, 6, "no keys");
+  check_backward_kernel(1, 2, 1, 0, 10, 64, true, torch::arange(0), torch::arange(10), torch::kFloat, 7, "no queries");
+  check_backward_kernel(0, 2, 2, 5, 5, 128, false, torch::arange(5), torch::arange(5), torch::kFloat, 8, "no batch");
+}
+#else
+CP_KERNEL_TESTS_NEED_CUDA(Lesson05Kernels)
+#endif
 
 }  // namespace
 }  // namespace cp

@@ -26,24 +26,33 @@ __global__ void online_softmax_kernel(const T* __restrict__ x,  // [rows, n]
                                       int64_t rows, int64_t n) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
-  if (row >= rows) return;  // the whole warp leaves together, so the shuffles below stay full
-  const T* x_row = x + row * n;
-
-  // BEGIN SOLUTION task 4: per-lane state, warp merge, normalise
-  // STUB: // TODO(lesson 01, task 4): (a) each lane adds x_row[lane], x_row[lane + 32], ... to its
-  // STUB: // own SoftmaxState; (b) merge the 32 states with __shfl_xor_sync (offsets 16, 8, 4, 2, 1:
-  // STUB: // shuffle m and l, then merge()); (c) lane 0 writes lse[row] if lse is not null, and the
-  // STUB: // lanes write y[j] = exp(x[j] - m) / l (0 for an empty state) if y is not null.
-  // STUB: (void)x_row, (void)lane, (void)y, (void)lse;
+  // A warp past the last row does not return yet: every lane of the block must reach every
+  // shuffle (kernels/README.md, rule 1). It merges the states of an empty row and leaves
+  // before the stores.
+  const bool active = row < rows;
+  const int64_t row_len = active ? n : 0;  // elements this warp reads
+  const T* x_row = x + (active ? row : 0) * n;
   SoftmaxState state = SoftmaxState::empty();
-  for (int64_t j = lane; j < n; j += kWarpSize) state.add(kernels::to_float(x_row[j]));
+
+  // BEGIN SOLUTION task 4: per-lane states and the warp merge
+  // STUB: // TODO(lesson 01, task 4): (a) each lane adds x_row[lane], x_row[lane + 32], ... (below
+  // STUB: // row_len) to `state`, its own SoftmaxState; (b) merge the 32 states with __shfl_xor_sync
+  // STUB: // (offsets 16, 8, 4, 2, 1: shuffle m and l, then merge()). Every lane runs every shuffle.
+  // STUB: (void)x_row, (void)lane, (void)row_len;
+  for (int64_t j = lane; j < row_len; j += kWarpSize) state.add(kernels::to_float(x_row[j]));
 
   for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
     const SoftmaxState other{__shfl_xor_sync(kFullWarp, state.m, offset),
                              __shfl_xor_sync(kFullWarp, state.l, offset)};
     state = merge(state, other);
   }
+  // END SOLUTION
+  if (!active) return;  // past the last shuffle: an idle warp may leave now
 
+  // BEGIN SOLUTION task 4: write lse and y
+  // STUB: // TODO(lesson 01, task 4): (c) lane 0 writes lse[row] if lse is not null, and the lanes
+  // STUB: // write y[j] = exp(x[j] - m) / l (0 for an empty state) if y is not null.
+  // STUB: (void)y, (void)lse, (void)state;
   if (lse != nullptr && lane == 0) lse[row] = state.logsumexp();
   if (y != nullptr) {
     T* y_row = y + row * n;
@@ -60,6 +69,7 @@ void launch_online_softmax(const void* x, void* y, float* lse, int64_t rows, int
                            cudaStream_t stream) {
   const int64_t blocks = (rows + kWarpsPerBlock - 1) / kWarpsPerBlock;  // one warp per row
   CP_CHECK(blocks <= INT32_MAX, "x: too many rows for one launch (", rows, ")");
+  if (rows == 0) return;  // a grid of zero blocks is a launch error, and there is nothing to do
   // BEGIN SOLUTION task 4: launch the kernel
   // STUB: // TODO(lesson 01, task 4): launch online_softmax_kernel<T> with `blocks` blocks of
   // STUB: // kWarpsPerBlock warps on `stream`, T picked by kernels::dispatch_dtype(dtype, ...);

@@ -146,6 +146,25 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> oracle_attention_grads(
   return {grads[0], grads[1], grads[2]};
 }
 
+std::vector<PositionLayout> causal_position_layouts(int64_t s) {
+  torch::Generator gen = at::detail::createCPUGenerator(77);
+  auto sorted_random = [&](int64_t n) { return std::get<0>(torch::randperm(4 * n, gen).narrow(0, 0, n).sort()); };
+  auto unsorted_random = [&](int64_t n) { return torch::randperm(4 * n, gen).narrow(0, 0, n); };
+  // Zig-zag with N = 2 over 4 chunks of c tokens: rank 0 holds chunks 0 and 3 (its queries),
+  // rank 1 holds chunks 1 and 2 (the keys visiting it).
+  const int64_t c = s / 2;
+  const torch::Tensor zigzag_q = torch::cat({torch::arange(0, c), torch::arange(3 * c, 3 * c + s - c)});
+  return {
+      {"contiguous", torch::arange(s), torch::arange(s)},
+      {"keys before queries (a later ring step)", torch::arange(s) + 3 * s, torch::arange(s) + s},
+      {"keys after queries (fully masked)", torch::arange(s), torch::arange(s) + s},
+      {"shifted by half a chunk", torch::arange(s) + s / 2, torch::arange(s)},
+      {"zig-zag chunk pairs", zigzag_q, torch::arange(c, c + s)},
+      {"random sorted", sorted_random(s), sorted_random(s)},
+      {"random unsorted", unsorted_random(s), unsorted_random(s)},
+  };
+}
+
 torch::Tensor random_with_outliers(std::vector<int64_t> shape, uint64_t seed, double scale, double outlier) {
   torch::Generator gen = at::detail::createCPUGenerator(seed);
   torch::Tensor x = torch::randn(shape, gen, torch::kFloat) * scale;

@@ -55,6 +55,16 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> oracle_attention_grads(
     const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& dout, bool causal,
     const torch::Tensor& q_pos, const torch::Tensor& k_pos, double scale);
 
+/// Global token positions of `s` queries and `s` keys for causal masks: each layout a ring
+/// attention step can produce (keys before, after or interleaved with the queries, zig-zag
+/// chunk pairs, sorted and unsorted random positions). Some leave query rows without a visible
+/// key. Positions are int64 [s] on the CPU.
+struct PositionLayout {
+  std::string name;
+  torch::Tensor q_pos, k_pos;
+};
+std::vector<PositionLayout> causal_position_layouts(int64_t s);
+
 /// Random float32 values ~ N(0, scale²) of the given shape with a fixed seed, plus a few
 /// outliers of ±outlier (one in every ~64 elements) to stress the max-shift; outlier = 0
 /// gives none.
