@@ -50,6 +50,9 @@ if(NOT CP_CUDA STREQUAL "auto" AND NOT CP_CUDA STREQUAL CP_CUDA_BACKEND)
                       "(${CMAKE_CUDA_COMPILER}); use a new build folder (make clean)")
 endif()
 
+# Kept in the cache too: tools/kernel-report reads it from CMakeCache.txt.
+set(CP_CUDA_BACKEND ${CP_CUDA_BACKEND} CACHE INTERNAL "The CUDA of this build folder: nvcc, cuda-cpu or none")
+
 add_library(cp_cuda_runtime INTERFACE)
 set(CP_WITH_CUDA 1)
 if(CP_CUDA_BACKEND STREQUAL "nvcc")

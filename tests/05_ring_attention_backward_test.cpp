@@ -233,7 +233,8 @@ CP_TEST(Lesson05Kernels, Task2_KernelsMatchAutogradForEveryDtypeHeadDimAndGroup)
     for (int64_t d : {32, 64, 128})
       for (bool causal : {false, true}) {
         const int64_t heads_kv = int64_t{4} >> (seed % 3);  // Hq/Hkv = 1, 2, 4 in turn
-        check_backward_kernel(2, 4, heads_kv, 70, 97, d, causal, q_pos, k_pos, dtype, seed++, "kernels");
+        const int64_t batch = d == 32 ? 2 : 1;              // B > 1 once per dtype; D = 128 is slow on a CPU
+        check_backward_kernel(batch, 4, heads_kv, 70, 97, d, causal, q_pos, k_pos, dtype, seed++, "kernels");
       }
 }
 
