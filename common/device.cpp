@@ -13,16 +13,6 @@
 
 namespace cp {
 
-const char* cuda_backend_name() {
-#if defined(CP_CUDA_CPU_ROOT)
-  return "cuda-cpu";
-#elif CP_WITH_CUDA
-  return "nvcc";
-#else
-  return "none";
-#endif
-}
-
 std::string cuda_unavailable_reason() {
 #if !CP_WITH_CUDA
   return "this build has no CUDA (neither nvcc nor CUDA on the CPU was found when CMake configured it)";
@@ -40,8 +30,9 @@ std::string cuda_unavailable_reason() {
 
 std::string cuda_runtime_unavailable_reason() {
 #if !CP_WITH_CUDA
-  return "this build has no CUDA. Without a GPU, run `make setup` (it installs CUDA on the CPU when "
-         "../shared/cuda-cpu is present) or `make setup-cuda-cpu` (builds it), then a fresh build (make clean)";
+  return "this build has no CUDA. To run the kernels without a GPU, get CUDA on the CPU: `make setup` "
+         "installs a prebuilt copy when one is at hand, `make setup-cuda-cpu` builds it (about 16 minutes); "
+         "then `make clean && make test` (docs/cuda-on-cpu.md)";
 #else
   static std::once_flag once;
   static std::string reason;

@@ -16,9 +16,6 @@ std::string cuda_unavailable_reason();
 /// a GPU with nvcc's runtime, or CUDA on the CPU (chipStar + PoCL).
 std::string cuda_runtime_unavailable_reason();
 
-/// "cuda-cpu" (chipStar + PoCL on the CPU), "nvcc" or "none": what this build runs kernels with.
-const char* cuda_backend_name();
-
 #if CP_WITH_CUDA
 /// The stream LibTorch's next operation on the current device runs on: kernels are launched
 /// on it so that they are ordered with the tensor operations around them.
