@@ -6,10 +6,19 @@
 #include <mutex>
 
 #if CP_TORCH_CUDA
+#include <c10/core/AutogradState.h>
 #include <c10/cuda/CUDAStream.h>
+#include <torch/version.h>
+#if TORCH_VERSION_MAJOR < 2
+#error "the CUDA path needs LibTorch 2.0 or newer: run_backward_on_this_thread() uses its per-thread autograd switch"
+#endif
 #endif
 
 #include "common/error.h"
+
+#if CP_WITH_CUDA
+#include "common/cuda_check.h"
+#endif
 
 namespace cp {
 
@@ -25,6 +34,23 @@ std::string cuda_unavailable_reason() {
 #else
   if (!torch::cuda::is_available()) return "no CUDA GPU is visible to this process";
   return "";
+#endif
+}
+
+void run_backward_on_this_thread() {
+#if CP_TORCH_CUDA
+  // The thread-local switch behind Python's torch.autograd.set_multithreading_enabled(False):
+  // the engine then queues CUDA nodes on this graph task's own queue, run by this thread.
+  c10::AutogradState::get_tls_state().set_multithreading_enabled(false);
+#endif
+}
+
+void wait_for_device_work(const torch::Tensor& t) {
+  if (!t.is_cuda()) return;
+#if CP_TORCH_CUDA
+  c10::cuda::getCurrentCUDAStream(t.device().index()).synchronize();
+#else
+  CP_FAIL("a CUDA tensor cannot exist with a CPU-only LibTorch");
 #endif
 }
 
@@ -61,6 +87,21 @@ cudaStream_t current_cuda_stream() {
 #else
   CP_FAIL("a CUDA tensor cannot exist with a CPU-only LibTorch");
 #endif
+}
+
+CudaDeviceScope::CudaDeviceScope(c10::Device device) {
+  CP_CHECK(device.is_cuda() && device.has_index(), "CudaDeviceScope: expected a CUDA device with an index, got ", device);
+#if CP_TORCH_CUDA
+  CUDA_CHECK(cudaGetDevice(&previous_));
+  CUDA_CHECK(cudaSetDevice(device.index()));
+  stream_ = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+#else
+  CP_FAIL("a CUDA tensor cannot exist with a CPU-only LibTorch");
+#endif
+}
+
+CudaDeviceScope::~CudaDeviceScope() {
+  if (previous_ >= 0) (void)cudaSetDevice(previous_);  // a destructor does not throw
 }
 #endif
 

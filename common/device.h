@@ -3,6 +3,9 @@
 
 #include <string>
 
+#include <c10/core/Device.h>
+#include <torch/types.h>
+
 #if CP_WITH_CUDA
 #include <cuda_runtime_api.h>
 #endif
@@ -12,6 +15,20 @@ namespace cp {
 /// Why CUDA tensors cannot be used here, or "" when they can. Tests skip with this reason.
 std::string cuda_unavailable_reason();
 
+/// Makes autograd run the backward of every graph this thread starts on this thread, CUDA nodes
+/// included. By default PyTorch runs the CUDA nodes of every backward on one worker thread per
+/// GPU, shared by all threads of the process: two rank threads whose backward passes communicate
+/// (lesson 09's autograd Function) would queue behind each other there, and the first to wait
+/// for a peer would wait forever. Every rank thread of a local world calls it, and so do the
+/// mpi and nccl worlds (MPI is then called from the rank's own thread). Nothing to do without
+/// CUDA tensors: CPU nodes always run on the calling thread.
+void run_backward_on_this_thread();
+
+/// Waits until the work queued so far on the current stream of t's device is done (nothing for
+/// a CPU tensor). Kernel launches return before the kernel runs: the rings call this around a
+/// timed block so that per-step times and trace spans cover the GPU's work, not its launch.
+void wait_for_device_work(const torch::Tensor& t);
+
 /// Why kernels cannot be launched on raw device buffers (cudaMalloc) here, or "" when they can:
 /// a GPU with nvcc's runtime, or CUDA on the CPU (chipStar + PoCL).
 std::string cuda_runtime_unavailable_reason();
@@ -20,6 +37,23 @@ std::string cuda_runtime_unavailable_reason();
 /// The stream LibTorch's next operation on the current device runs on: kernels are launched
 /// on it so that they are ordered with the tensor operations around them.
 cudaStream_t current_cuda_stream();
+
+/// For the scope: the GPU of a CUDA tensor becomes the thread's current device (kernels launch
+/// on the current device, and a rank thread starts on device 0 whatever its tensors' device),
+/// and stream() is that device's current LibTorch stream. The previous device comes back at the
+/// end. The CUDA branches of the lessons launch their kernels inside one.
+class CudaDeviceScope {
+ public:
+  explicit CudaDeviceScope(c10::Device device);
+  ~CudaDeviceScope();
+  CudaDeviceScope(const CudaDeviceScope&) = delete;
+  CudaDeviceScope& operator=(const CudaDeviceScope&) = delete;
+  cudaStream_t stream() const { return stream_; }
+
+ private:
+  int previous_ = -1;
+  cudaStream_t stream_ = nullptr;
+};
 #endif
 
 }  // namespace cp

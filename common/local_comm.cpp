@@ -16,9 +16,11 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <map>
 #include <mutex>
 #include <thread>
 
+#include "common/device.h"
 #include "common/error.h"
 #include "common/world.h"
 
@@ -26,7 +28,6 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "common/cuda_check.h"
-#include "common/device.h"
 #endif
 
 namespace cp {
@@ -64,8 +65,10 @@ struct Fence {
   }
 };
 
-/// The stream that copies into one rank's buffers: a separate stream, so that incoming data
-/// moves while the rank's compute stream works.
+/// The streams that copy into one rank's buffers, one per device: separate from the rank's
+/// compute stream, so that incoming data moves while the rank computes. Several senders copy
+/// into the same rank at once (outside the world's lock), so a stream is created once, under
+/// this object's lock, and each copy reads it once and uses it for its wait, copy and record.
 class CopyStream {
  public:
   CopyStream() = default;
@@ -73,7 +76,7 @@ class CopyStream {
   CopyStream& operator=(const CopyStream&) = delete;
   ~CopyStream() {
 #if CP_TORCH_CUDA
-    if (stream_) cudaStreamDestroy(stream_);
+    for (const auto& [device, stream] : streams_) (void)cudaStreamDestroy(stream);
 #endif
   }
 
@@ -87,13 +90,13 @@ class CopyStream {
     }
 #if CP_TORCH_CUDA
     c10::cuda::CUDAGuard guard(dst.device());
-    if (!stream_) CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    const cudaStream_t stream = stream_for(dst.device().index());
     for (const Fence* f : {&src_ready, &dst_ready})
-      if (f->event) CUDA_CHECK(cudaStreamWaitEvent(stream_, static_cast<cudaEvent_t>(f->event.get()), 0));
-    CUDA_CHECK(cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), bytes, cudaMemcpyDefault, stream_));
+      if (f->event) CUDA_CHECK(cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(f->event.get()), 0));
+    CUDA_CHECK(cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), bytes, cudaMemcpyDefault, stream));
     cudaEvent_t done;
     CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
-    CUDA_CHECK(cudaEventRecord(done, stream_));
+    CUDA_CHECK(cudaEventRecord(done, stream));
     return {std::shared_ptr<void>(done, [](void* e) { cudaEventDestroy(static_cast<cudaEvent_t>(e)); })};
 #else
     (void)src_ready, (void)dst_ready;
@@ -103,7 +106,15 @@ class CopyStream {
 
  private:
 #if CP_TORCH_CUDA
-  cudaStream_t stream_ = nullptr;
+  /// The copy stream of `device` (the current device), created on first use.
+  cudaStream_t stream_for(int device) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    cudaStream_t& stream = streams_[device];
+    if (stream == nullptr) CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    return stream;
+  }
+  std::mutex mutex_;
+  std::map<int, cudaStream_t> streams_;  // device index -> stream
 #endif
 };
 
@@ -359,6 +370,7 @@ void run_local_world(int world_size, const std::function<void(Comm&)>& fn,
   for (int r = 0; r < world_size; ++r) {
     threads.emplace_back([&, r] {
       set_this_rank(r);
+      run_backward_on_this_thread();  // lesson 09: a rank's backward communicates
       // N ranks share the machine's cores: one intra-op thread per rank avoids oversubscription.
       torch::set_num_threads(1);
       try {

@@ -4,6 +4,7 @@
 #include <c10/util/ThreadLocalDebugInfo.h>
 
 #include <algorithm>
+#include <unordered_map>
 
 namespace cp {
 
@@ -13,14 +14,21 @@ struct MemoryMeter::Listener : c10::MemoryReportingInfoBase {
 
   void reportMemoryUsage(void* ptr, int64_t bytes, int64_t total_allocated, int64_t total_reserved,
                          c10::Device device) override {
-    current += bytes;  // negative for a free
-    peak = std::max(peak, current);
+    if (bytes > 0) {
+      live[ptr] = bytes;
+      current += bytes;
+      peak = std::max(peak, current);
+    } else if (auto it = live.find(ptr); it != live.end()) {  // a free; one from before the meter is not ours
+      current -= it->second;
+      live.erase(it);
+    }
     if (outer && outer->memoryProfilingEnabled())
       outer->reportMemoryUsage(ptr, bytes, total_allocated, total_reserved, device);
   }
   bool memoryProfilingEnabled() const override { return true; }
 
   c10::MemoryReportingInfoBase* outer;
+  std::unordered_map<void*, int64_t> live;  // allocations made while the meter runs, not yet freed
   int64_t current = 0, peak = 0;
 };
 

@@ -5,6 +5,7 @@
 // it completes only when the receive has started), so a naive ring deadlocks here exactly as on
 // the local backend, whatever the message size; MPI_Send would "work" for small messages
 // through the eager protocol and hang for large ones (lesson 06).
+#include "common/device.h"
 #include "common/error.h"
 #include "common/mpi_session.h"
 #include "common/world.h"
@@ -197,6 +198,9 @@ class MpiComm : public Comm {
 
 }  // namespace
 
-std::shared_ptr<Comm> mpi_world() { return std::make_shared<MpiComm>(); }
+std::shared_ptr<Comm> mpi_world() {
+  run_backward_on_this_thread();  // the rank's backward communicates: keep it (and MPI) on this thread
+  return std::make_shared<MpiComm>();
+}
 
 }  // namespace cp

@@ -214,6 +214,7 @@ class NcclComm : public Comm {
 
 std::shared_ptr<Comm> nccl_world() {
   CP_CHECK(cuda_unavailable_reason().empty(), "nccl backend: ", cuda_unavailable_reason());
+  run_backward_on_this_thread();  // the rank's backward communicates: keep it on this thread
   return std::make_shared<NcclComm>();
 }
 

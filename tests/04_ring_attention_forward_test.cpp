@@ -149,21 +149,25 @@ CP_TEST(Lesson04, Task1_BadInputGivesClearErrors) {
   }, "v: shape must be k's");
 }
 
-CP_TEST(Lesson04Cuda, Task1_ForwardOnCudaForEveryDtype) {
+CP_TEST(Lesson04Cuda, Task1_ForwardOnCudaForEveryDtypeAndHeadDim) {
   CP_REQUIRE_GPU();
   for_each_world([](Comm& comm) {
-    const Problem p{1, 4, 2, 70, 64};
-    const Sequence seq = make_sequence(p, comm.size(), 17);
-    for (auto dtype : {torch::kFloat, torch::kHalf, torch::kBFloat16}) {
-      for (bool causal : {false, true}) {
-        const torch::Tensor q = seq.q.to(dtype), k = seq.k.to(dtype), v = seq.v.to(dtype);
-        const int64_t s = q.size(2);
-        const auto [out, lse] = oracle_attention(q, k, v, causal, torch::arange(s), torch::arange(s), 1.0 / 8.0);
-        const RingResult r = ring_attention_forward(comm, shard(q, comm).cuda(), shard(k, comm).cuda(),
-                                                    shard(v, comm).cuda(), {causal, {}, true, nullptr});
-        EXPECT_EQ(r.out.scalar_type(), dtype);
-        EXPECT_TRUE(all_close(r.out, shard(out, comm), "out cuda", {"b", "h", "s", "d"}));
-        EXPECT_TRUE(all_close(r.lse, shard(lse, comm), "lse cuda", {"b", "h", "s"}));
+    for (const Problem& p : {Problem{1, 4, 2, 70, 64}, Problem{1, 4, 2, 70, 128}}) {
+      const Sequence seq = make_sequence(p, comm.size(), 17);
+      const double scale = 1.0 / std::sqrt(static_cast<double>(p.head_dim));
+      for (auto dtype : {torch::kFloat, torch::kHalf, torch::kBFloat16}) {
+        for (bool causal : {false, true}) {
+          const torch::Tensor q = seq.q.to(dtype), k = seq.k.to(dtype), v = seq.v.to(dtype);
+          const int64_t s = q.size(2);
+          const auto [out, lse] = oracle_attention(q, k, v, causal, torch::arange(s), torch::arange(s), scale);
+          const RingResult r = ring_attention_forward(comm, shard(q, comm).cuda(), shard(k, comm).cuda(),
+                                                      shard(v, comm).cuda(), {causal, {}, true, nullptr});
+          const std::string what = "cuda " + std::string(c10::toString(dtype)) + " D=" + std::to_string(p.head_dim) +
+                                   (causal ? " causal" : "");
+          EXPECT_EQ(r.out.scalar_type(), dtype);
+          EXPECT_TRUE(all_close(r.out, shard(out, comm), "out " + what, {"b", "h", "s", "d"}));
+          EXPECT_TRUE(all_close(r.lse, shard(lse, comm), "lse " + what, {"b", "h", "s"}));
+        }
       }
     }
   });

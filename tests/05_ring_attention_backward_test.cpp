@@ -117,18 +117,21 @@ CP_TEST(Lesson05Cuda, Task2_BlockBackwardOnCudaForEveryDtypeAndHeadDim) {
 
 // ── Task 3: the ring backward ─────────────────────────────────────────────────────────────────
 
-void check_ring_backward(Comm& comm, torch::Device device, torch::ScalarType dtype, bool causal, bool overlap) {
-  const int64_t chunk = 29, d = 32;
+void check_ring_backward(Comm& comm, torch::Device device, torch::ScalarType dtype, bool causal, bool overlap,
+                         int64_t d = 32) {
+  const int64_t chunk = 29;
   const Inputs in = random_inputs(1, 4, 2, chunk * comm.size(), chunk * comm.size(), d, 21);
   auto mine = [&](const torch::Tensor& t) { return shard(t.to(dtype), comm).to(device); };
   const int64_t s = in.q.size(2);
   const auto [dq, dk, dv] = oracle_attention_grads(in.q.to(dtype), in.k.to(dtype), in.v.to(dtype), in.dout.to(dtype),
-                                                   causal, torch::arange(s), torch::arange(s), 1.0 / std::sqrt(32.0));
+                                                   causal, torch::arange(s), torch::arange(s),
+                                                   1.0 / std::sqrt(static_cast<double>(d)));
   const RingOptions options{causal, {}, overlap, nullptr};
   const RingResult fwd = ring_attention_forward(comm, mine(in.q), mine(in.k), mine(in.v), options);
   const RingGrads g = ring_attention_backward(comm, mine(in.dout), mine(in.q), mine(in.k), mine(in.v), fwd.out, fwd.lse,
                                               options);
-  const std::string what = std::string(causal ? "causal" : "full") + (overlap ? "" : ", no overlap") + ", rank " +
+  const std::string what = std::string(causal ? "causal" : "full") + " D=" + std::to_string(d) +
+                           (overlap ? "" : ", no overlap") + ", rank " +
                            std::to_string(comm.rank()) + " of " + std::to_string(comm.size());
   EXPECT_EQ(g.dq.scalar_type(), dtype);
   EXPECT_TRUE(all_close(g.dq, shard(dq, comm), "dq " + what, kDims, testing::gradient_tolerance(dtype, dq)));
@@ -176,11 +179,12 @@ CP_TEST(Lesson05, Task3_BadInputGivesClearErrors) {
   }
 }
 
-CP_TEST(Lesson05Cuda, Task3_RingBackwardOnCudaForEveryDtype) {
+CP_TEST(Lesson05Cuda, Task3_RingBackwardOnCudaForEveryDtypeAndHeadDim) {
   CP_REQUIRE_GPU();
   for_each_world([](Comm& comm) {
     for (auto dtype : {torch::kFloat, torch::kHalf, torch::kBFloat16})
-      for (bool causal : {false, true}) check_ring_backward(comm, torch::kCUDA, dtype, causal, true);
+      for (bool causal : {false, true})
+        for (int64_t d : {32, 128}) check_ring_backward(comm, torch::kCUDA, dtype, causal, true, d);
   });
 }
 

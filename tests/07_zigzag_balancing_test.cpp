@@ -101,36 +101,45 @@ struct Sequence {
   torch::Tensor q, k, v, dout;
 };
 
-Sequence make_sequence(int world, int64_t chunk, uint64_t seed) {
+/// Q, K, V, dO of a whole sequence of 2·chunk·world tokens (Hq = 4, Hkv = 2), rounded to dtype.
+Sequence make_sequence(int world, int64_t chunk, uint64_t seed, int64_t d = 32,
+                       torch::ScalarType dtype = torch::kFloat) {
   torch::Generator gen = at::detail::createCPUGenerator(seed);
   const int64_t s = 2 * chunk * world;
-  return {torch::randn({1, 4, s, 32}, gen), torch::randn({1, 2, s, 32}, gen), torch::randn({1, 2, s, 32}, gen),
-          torch::randn({1, 4, s, 32}, gen)};
+  auto make = [&](int64_t heads) { return torch::randn({1, heads, s, d}, gen).to(dtype); };
+  return {make(4), make(2), make(2), make(4)};
+}
+
+/// The zig-zag ring forward and backward on `device` against the oracle over the whole
+/// sequence: out, lse, dq, dk and dv of this rank's shard.
+void check_zigzag(Comm& comm, torch::Device device, torch::ScalarType dtype, int64_t chunk, int64_t d, bool causal,
+                  uint64_t seed) {
+  const Sequence seq = make_sequence(comm.size(), chunk, seed, d, dtype);
+  const int64_t s = seq.q.size(2);
+  const int n = comm.size(), r = comm.rank();
+  auto mine = [&](const torch::Tensor& t) { return shard_sequence(t, Layout::ZigZag, n, r); };
+  auto on = [&](const torch::Tensor& t) { return mine(t).to(device); };
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  const auto [out, lse] = testing::oracle_attention(seq.q, seq.k, seq.v, causal, torch::arange(s), torch::arange(s), scale);
+  const auto [dq, dk, dv] =
+      testing::oracle_attention_grads(seq.q, seq.k, seq.v, seq.dout, causal, torch::arange(s), torch::arange(s), scale);
+  const RingOptions options{causal, {}, true, nullptr};
+  const RingResult f = zigzag_ring_attention_forward(comm, on(seq.q), on(seq.k), on(seq.v), options);
+  const RingGrads g = zigzag_ring_attention_backward(comm, on(seq.dout), on(seq.q), on(seq.k), on(seq.v), f.out, f.lse,
+                                                     options);
+  const std::string what = std::string(causal ? "causal" : "full") + " " + std::string(c10::toString(dtype)) +
+                           " D=" + std::to_string(d) + " on " + device.str() + ", rank " + std::to_string(r) +
+                           " of " + std::to_string(n);
+  EXPECT_TRUE(all_close(f.out, mine(out), "out " + what, kDims));
+  EXPECT_TRUE(all_close(f.lse, shard_sequence(lse, Layout::ZigZag, n, r), "lse " + what, {"b", "h", "s"}));
+  EXPECT_TRUE(all_close(g.dq, mine(dq), "dq " + what, kDims, testing::gradient_tolerance(dtype, dq)));
+  EXPECT_TRUE(all_close(g.dk, mine(dk), "dk " + what, kDims, testing::gradient_tolerance(dtype, dk)));
+  EXPECT_TRUE(all_close(g.dv, mine(dv), "dv " + what, kDims, testing::gradient_tolerance(dtype, dv)));
 }
 
 CP_TEST(Lesson07, Task3_ZigZagForwardAndBackwardMatchFullAttention) {
   for_each_world([](Comm& comm) {
-    const Sequence seq = make_sequence(comm.size(), 13, 70);
-    const int64_t s = seq.q.size(2);
-    const int n = comm.size(), r = comm.rank();
-    auto mine = [&](const torch::Tensor& t) { return shard_sequence(t, Layout::ZigZag, n, r); };
-    for (bool causal : {false, true}) {
-      const auto [out, lse] = testing::oracle_attention(seq.q, seq.k, seq.v, causal, torch::arange(s), torch::arange(s),
-                                                        1.0 / std::sqrt(32.0));
-      const auto [dq, dk, dv] = testing::oracle_attention_grads(seq.q, seq.k, seq.v, seq.dout, causal, torch::arange(s),
-                                                                torch::arange(s), 1.0 / std::sqrt(32.0));
-      const RingOptions options{causal, {}, true, nullptr};
-      const RingResult f = zigzag_ring_attention_forward(comm, mine(seq.q), mine(seq.k), mine(seq.v), options);
-      const RingGrads g = zigzag_ring_attention_backward(comm, mine(seq.dout), mine(seq.q), mine(seq.k), mine(seq.v),
-                                                         f.out, f.lse, options);
-      const std::string what = std::string(causal ? "causal" : "full") + ", rank " + std::to_string(r) + " of " +
-                               std::to_string(n);
-      EXPECT_TRUE(all_close(f.out, mine(out), "out " + what, kDims));
-      EXPECT_TRUE(all_close(f.lse, shard_sequence(lse, Layout::ZigZag, n, r), "lse " + what, {"b", "h", "s"}));
-      EXPECT_TRUE(all_close(g.dq, mine(dq), "dq " + what, kDims, testing::gradient_tolerance(torch::kFloat, dq)));
-      EXPECT_TRUE(all_close(g.dk, mine(dk), "dk " + what, kDims, testing::gradient_tolerance(torch::kFloat, dk)));
-      EXPECT_TRUE(all_close(g.dv, mine(dv), "dv " + what, kDims, testing::gradient_tolerance(torch::kFloat, dv)));
-    }
+    for (bool causal : {false, true}) check_zigzag(comm, torch::kCPU, torch::kFloat, 13, 32, causal, 70);
   });
 }
 
@@ -162,17 +171,13 @@ CP_TEST(Lesson07, Task3_OddShardLengthIsAClearError) {
   }, "is S divisible by 2N?");
 }
 
-CP_TEST(Lesson07Cuda, Task3_ZigZagOnCuda) {
+CP_TEST(Lesson07Cuda, Task3_ZigZagForwardAndBackwardOnCudaForEveryDtype) {
+  // Every output (out, lse, dq, dk, dv), every dtype, D = 32 and 128, chunks of 40 tokens (not a
+  // multiple of the kernels' 64-row blocks).
   CP_REQUIRE_GPU();
   for_each_world([](Comm& comm) {
-    const Sequence seq = make_sequence(comm.size(), 40, 72);
-    const int64_t s = seq.q.size(2);
-    auto mine = [&](const torch::Tensor& t) { return shard_sequence(t, Layout::ZigZag, comm.size(), comm.rank()); };
-    const auto [out, lse] = testing::oracle_attention(seq.q, seq.k, seq.v, true, torch::arange(s), torch::arange(s),
-                                                      1.0 / std::sqrt(32.0));
-    const RingResult f = zigzag_ring_attention_forward(comm, mine(seq.q).cuda(), mine(seq.k).cuda(), mine(seq.v).cuda(),
-                                                       {true, {}, true, nullptr});
-    EXPECT_TRUE(all_close(f.out, mine(out), "out cuda", kDims));
+    for (auto dtype : {torch::kFloat, torch::kHalf, torch::kBFloat16})
+      for (int64_t d : {32, 128}) check_zigzag(comm, torch::kCUDA, dtype, 40, d, true, 72);
   });
 }
 

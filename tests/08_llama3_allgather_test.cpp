@@ -312,6 +312,7 @@ CP_TEST(Lesson08Cuda, Task4_ForwardAndBackwardOnCuda) {
                                                              mine(b.k).cuda(), mine(b.v).cuda(), f.out, f.lse, b.cu, mode);
       const std::string what = to_string(mode) + " cuda, rank " + std::to_string(r);
       EXPECT_TRUE(all_close(f.out, mine(e.out), "out " + what, kPackedDims));
+      EXPECT_TRUE(all_close(f.lse, mine(e.lse.t()).t(), "lse " + what, {"h", "t"}));
       EXPECT_TRUE(all_close(g.dk, mine(e.dk), "dk " + what, kPackedDims, testing::gradient_tolerance(torch::kFloat, e.dk)));
       EXPECT_TRUE(all_close(g.dv, mine(e.dv), "dv " + what, kPackedDims, testing::gradient_tolerance(torch::kFloat, e.dv)));
       EXPECT_TRUE(all_close(g.dq, mine(e.dq), "dq " + what, kPackedDims, testing::gradient_tolerance(torch::kFloat, e.dq)));

@@ -1,8 +1,11 @@
 // Tests of the course runtime itself: every P2P pattern and collective of cp::Comm against
 // expected values (local worlds of 1, 2, 3, 4, 8 ranks, or the mpirun world), the deadlock
 // watchdog, failure propagation, bad arguments, and the test oracle's own comparison.
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/types.h>
 
+#include <map>
+#include <mutex>
 #include <thread>
 
 #include "common/error.h"
@@ -232,6 +235,75 @@ CP_TEST(LocalBackend, AFailingRankReleasesTheOthersAndItsErrorIsRethrown) {
   }
 }
 
+/// Doubles its input; its backward records which thread ran it, per rank.
+struct RecordBackwardThread : torch::autograd::Function<RecordBackwardThread> {
+  static std::mutex& mutex() {
+    static std::mutex m;
+    return m;
+  }
+  static std::map<int, std::thread::id>& threads() {  // rank -> thread that ran its backward
+    static std::map<int, std::thread::id> t;
+    return t;
+  }
+  static torch::Tensor forward(torch::autograd::AutogradContext*, const torch::Tensor& x) { return x * 2; }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*, torch::autograd::variable_list g) {
+    std::lock_guard<std::mutex> lock(mutex());
+    threads()[this_rank()] = std::this_thread::get_id();
+    return {g[0] * 2};
+  }
+};
+
+/// Each rank's backward must run on the rank's own thread: lesson 09's backward communicates,
+/// and ranks whose backward passes queue on one shared worker thread (what PyTorch does with
+/// CUDA tensors by default) wait for each other forever.
+void expect_backward_on_the_rank_thread(torch::Device device) {
+  run_local_world(3, [device](Comm& comm) {
+    const torch::Tensor x = torch::ones({4}, torch::TensorOptions().device(device).requires_grad(true));
+    RecordBackwardThread::apply(x).sum().backward();
+    std::lock_guard<std::mutex> lock(RecordBackwardThread::mutex());
+    EXPECT_EQ(RecordBackwardThread::threads().at(comm.rank()), std::this_thread::get_id())
+        << "rank " << comm.rank() << " on " << device << ": its backward ran on another thread";
+  });
+}
+
+CP_TEST(LocalBackend, EachRankRunsItsBackwardOnItsOwnThread) { expect_backward_on_the_rank_thread(torch::kCPU); }
+
+CP_TEST(LocalBackendCuda, EachRankRunsItsBackwardOnItsOwnThread) {
+  CP_REQUIRE_GPU();
+  expect_backward_on_the_rank_thread(torch::kCUDA);
+}
+
+/// Every other rank sends to rank 0 at once, so several sender threads copy into rank 0's
+/// buffers concurrently (on a GPU: through rank 0's copy stream, created by the first of them).
+void expect_many_senders_into_one_rank(torch::Device device) {
+  run_local_world(8, [device](Comm& comm) {
+    const auto on = torch::TensorOptions().device(device);
+    for (int round = 0; round < 3; ++round) {
+      if (comm.rank() != 0) {
+        comm.start({P2POp::send(rank_tensor(comm.rank(), 1000).to(device), 0)}).wait();
+        continue;
+      }
+      std::vector<torch::Tensor> incoming;
+      std::vector<P2POp> ops;
+      for (int peer = 1; peer < comm.size(); ++peer) {
+        incoming.push_back(torch::empty({1000}, on));
+        ops.push_back(P2POp::recv(incoming.back(), peer));
+      }
+      comm.start(ops).wait();
+      for (int peer = 1; peer < comm.size(); ++peer)
+        expect_equal(incoming[peer - 1].cpu(), rank_tensor(peer, 1000), "round " + std::to_string(round) +
+                                                                            ", from rank " + std::to_string(peer));
+    }
+  });
+}
+
+CP_TEST(LocalBackend, ManySendersIntoOneRank) { expect_many_senders_into_one_rank(torch::kCPU); }
+
+CP_TEST(LocalBackendCuda, ManySendersIntoOneRank) {
+  CP_REQUIRE_GPU();
+  expect_many_senders_into_one_rank(torch::kCUDA);
+}
+
 CP_TEST(LocalBackend, ErrorsCarryTheRank) {
   try {
     run_local_world(3, [](Comm& comm) { CP_CHECK(comm.rank() != 1, "bad value"); });
@@ -287,6 +359,21 @@ CP_TEST(MemoryMeter, MeasuresThePeakOfThisThreadsAllocationsOnly) {
   EXPECT_EQ(inner_peak, 20000);
   EXPECT_EQ(outer.peak_bytes(), 20000) << "an inner meter passes its reports on";
   EXPECT_EQ(outer.current_bytes(), 0);
+}
+
+CP_TEST(MemoryMeter, FreeingATensorFromBeforeTheMeterDoesNotCount) {
+  // LibTorch reports the free of a block whenever it knew the block's size: on the CPU when the
+  // block was allocated under some memory listener (here an earlier meter), on CUDA always.
+  torch::Tensor before;
+  {
+    MemoryMeter earlier;
+    before = torch::zeros({1000});  // 4000 bytes, allocated before the meter below
+  }
+  MemoryMeter meter;
+  before = torch::Tensor();                                // freed inside: not the meter's
+  const torch::Tensor after = torch::zeros({1000});        // 4000 bytes, the meter's
+  EXPECT_EQ(meter.current_bytes(), 4000);
+  EXPECT_EQ(meter.peak_bytes(), 4000);
 }
 
 }  // namespace

@@ -71,9 +71,10 @@ AttnResult forward_cuda(const torch::Tensor& q, const torch::Tensor& k, const to
            " is not supported by the CUDA kernel (32, 64 or 128)");
   AttnResult result{torch::empty_like(q), torch::empty({s.batch, s.heads_q, s.seq_q}, q.options().dtype(torch::kFloat))};
   const BlockAttentionParams params{s.batch, s.heads_q, s.heads_kv, s.seq_q, s.seq_k, s.head_dim, scale, causal};
+  const CudaDeviceScope cuda(q.device());  // q's GPU and its current stream
   launch_block_attention_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), result.out.data_ptr(),
                                  result.lse.data_ptr<float>(), q_pos.data_ptr<int64_t>(), k_pos.data_ptr<int64_t>(),
-                                 params, kernel_dtype(q, "q"), current_cuda_stream());
+                                 params, kernel_dtype(q, "q"), cuda.stream());
   return result;
 #else
   (void)k, (void)v, (void)q_pos, (void)k_pos, (void)causal, (void)scale, (void)s;

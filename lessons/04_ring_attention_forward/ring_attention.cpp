@@ -4,6 +4,7 @@
 #include <chrono>
 #include <utility>
 
+#include "common/device.h"
 #include "common/error.h"
 #include "common/tensor_checks.h"
 

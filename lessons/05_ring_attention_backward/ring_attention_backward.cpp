@@ -2,6 +2,7 @@
 // the dK/dV accumulators travel with their K/V chunk, arriving home after N hops.
 #include <chrono>
 
+#include "common/device.h"
 #include "common/error.h"
 #include "common/tensor_checks.h"
 #include "ring_attention_backward.h"

@@ -105,9 +105,10 @@ torch::Tensor cuda_path(const torch::Tensor& x_in, bool want_y) {
   torch::Tensor y = want_y ? torch::empty_like(x) : torch::Tensor();
   torch::Tensor lse = want_y ? torch::Tensor()
                              : torch::full(x.sizes().slice(0, x.dim() - 1), -INFINITY, x.options().dtype(torch::kFloat));
+  const CudaDeviceScope cuda(x.device());  // x's GPU and its current stream
   if (rows > 0)
     launch_online_softmax(x.data_ptr(), want_y ? y.data_ptr() : nullptr, want_y ? nullptr : lse.data_ptr<float>(),
-                          rows, n, kernel_dtype(x, "x"), current_cuda_stream());
+                          rows, n, kernel_dtype(x, "x"), cuda.stream());
   return want_y ? y : lse;
 #else
   (void)want_y;

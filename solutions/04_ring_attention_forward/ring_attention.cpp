@@ -4,6 +4,7 @@
 #include <chrono>
 #include <utility>
 
+#include "common/device.h"
 #include "common/error.h"
 #include "common/tensor_checks.h"
 
@@ -110,6 +111,7 @@ RingResult ring_attention_forward(Comm& comm, const torch::Tensor& q, const torc
     if (!plan.compute) {
       ++result.stats.steps_skipped;
     } else {
+      wait_for_device_work(q);  // on a GPU, the time and the span below cover this block's kernels only
       TraceSpan compute(options.trace, rank, "compute", "block from rank " + std::to_string(source));
       const auto start = std::chrono::steady_clock::now();
       const AttentionMask mask = plan_mask(plan, q_pos, options.layout.positions(source, n, chunk, q.device()));
@@ -119,6 +121,7 @@ RingResult ring_attention_forward(Comm& comm, const torch::Tensor& q, const torc
       torch::Tensor out_rows = out.narrow(2, plan.q_begin, plan.q_len);  // views: the merge writes into out
       torch::Tensor lse_rows = lse.narrow(2, plan.q_begin, plan.q_len);
       merge_attention(out_rows, lse_rows, block.out, block.lse);
+      wait_for_device_work(out);
       ++result.stats.steps_computed;
       result.stats.steps.push_back({source, plan.q_len * plan.k_len,
                                     std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count()});

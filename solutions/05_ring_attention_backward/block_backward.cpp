@@ -94,10 +94,11 @@ AttnGrads attention_block_backward(const torch::Tensor& dout_in, const torch::Te
     CP_CHECK(block_attention_supports_head_dim(s.head_dim), "q: head dim ", s.head_dim,
              " is not supported by the CUDA kernels (32, 64 or 128)");
     const BlockAttentionParams params{s.batch, s.heads_q, s.heads_kv, s.seq_q, s.seq_k, s.head_dim, softmax_scale, mask.causal};
+    const CudaDeviceScope cuda(q.device());  // q's GPU and its current stream
     launch_block_attention_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), lse.data_ptr<float>(),
                                     delta.data_ptr<float>(), q_pos.data_ptr<int64_t>(), k_pos.data_ptr<int64_t>(),
                                     grads.dq.data_ptr<float>(), grads.dk.data_ptr<float>(), grads.dv.data_ptr<float>(),
-                                    params, kernel_dtype(q, "q"), current_cuda_stream());
+                                    params, kernel_dtype(q, "q"), cuda.stream());
     return grads;
 #else
     CP_FAIL("q is a CUDA tensor (", q.device(), ") but this build has no CUDA (nvcc was not found)");

@@ -2,6 +2,7 @@
 // the dK/dV accumulators travel with their K/V chunk, arriving home after N hops.
 #include <chrono>
 
+#include "common/device.h"
 #include "common/error.h"
 #include "common/tensor_checks.h"
 #include "ring_attention_backward.h"
@@ -52,6 +53,7 @@ RingGrads ring_attention_backward(Comm& comm, const torch::Tensor& dout, const t
     if (!plan.compute) {
       ++result.stats.steps_skipped;  // nothing visible; the chunk and its accumulators still move on
     } else {
+      wait_for_device_work(q);  // on a GPU, the time and the span below cover this block's kernels only
       TraceSpan compute(options.trace, rank, "compute", "backward block of rank " + std::to_string(source));
       const auto start = std::chrono::steady_clock::now();
       const AttentionMask mask = plan_mask(plan, q_pos, options.layout.positions(source, n, chunk, q.device()));
@@ -62,6 +64,7 @@ RingGrads ring_attention_backward(Comm& comm, const torch::Tensor& dout, const t
       q_rows(dq).add_(g.dq);  // views: the adds land in dq, dk_cur, dv_cur
       k_rows(dk_cur).add_(g.dk);
       k_rows(dv_cur).add_(g.dv);
+      wait_for_device_work(dq);
       ++result.stats.steps_computed;
       result.stats.steps.push_back({source, plan.q_len * plan.k_len,
                                     std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count()});

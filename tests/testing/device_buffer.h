@@ -10,13 +10,12 @@
 #include <vector>
 
 #include "common/device.h"
+#include "testing/harness.h"
 
-/// Skips the current test, with the reason, when kernels cannot run here.
-#define CP_REQUIRE_CUDA_RUNTIME()                                                      \
-  do {                                                                                \
-    const std::string cp_reason = ::cp::cuda_runtime_unavailable_reason();             \
-    if (!cp_reason.empty()) GTEST_SKIP() << "needs CUDA to run kernels: " << cp_reason; \
-  } while (0)
+/// Skips the current test, with the reason, when kernels cannot run here (fails instead when
+/// a GPU is expected: testing::gpu_expected()).
+#define CP_REQUIRE_CUDA_RUNTIME() \
+  CP_SKIP_UNLESS_EMPTY(::cp::cuda_runtime_unavailable_reason(), "needs CUDA to run kernels: ")
 
 /// In a build without CUDA, the one test a kernel suite has: it skips and says how to get CUDA.
 #define CP_KERNEL_TESTS_NEED_CUDA(suite) \

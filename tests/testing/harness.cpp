@@ -1,6 +1,7 @@
 #include "testing/harness.h"
 
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 
 #include "common/world.h"
@@ -37,6 +38,11 @@ const std::vector<int>& local_world_sizes() {
 bool under_mpirun() { return detail::launched_world() != nullptr; }
 
 int process_rank() { return under_mpirun() ? detail::launched_world()->rank() : 0; }
+
+bool gpu_expected() {
+  const char* value = std::getenv("CP_EXPECT_GPU");
+  return value != nullptr && std::string(value) == "1";
+}
 
 namespace {
 

@@ -34,6 +34,11 @@ bool under_mpirun();
 /// Rank of this process in the launched world (0 when not under mpirun).
 int process_rank();
 
+/// True when the environment says a GPU must be usable (CP_EXPECT_GPU=1, set by make
+/// gpu-check): then a test that would skip for want of CUDA fails instead, so that a GPU run in
+/// which nothing could execute cannot pass.
+bool gpu_expected();
+
 }  // namespace cp::testing
 
 /// A test whose body may call learner code: NotImplemented is reported as NOT STARTED.
@@ -42,9 +47,16 @@ int process_rank();
   TEST(suite, name) { ::cp::testing::run_guarded(&suite##_##name##_body); }    \
   static void suite##_##name##_body()
 
-/// Skips the current test, with the reason, when CUDA tensors cannot be used here.
-#define CP_REQUIRE_GPU()                                                             \
-  do {                                                                               \
-    const std::string cp_reason = ::cp::cuda_unavailable_reason();                    \
-    if (!cp_reason.empty()) GTEST_SKIP() << "needs a CUDA GPU: " << cp_reason;       \
+/// Skips the current test, with the reason, when CUDA tensors cannot be used here (fails
+/// instead when a GPU is expected: gpu_expected()).
+#define CP_REQUIRE_GPU() CP_SKIP_UNLESS_EMPTY(::cp::cuda_unavailable_reason(), "needs a CUDA GPU: ")
+
+/// Skips (or, when a GPU is expected, fails) the current test when `reason` is not empty.
+#define CP_SKIP_UNLESS_EMPTY(reason_expr, prefix)                                                  \
+  do {                                                                                             \
+    const std::string cp_reason = (reason_expr);                                                   \
+    if (!cp_reason.empty()) {                                                                      \
+      if (::cp::testing::gpu_expected()) FAIL() << "CP_EXPECT_GPU is set, but " << prefix << cp_reason; \
+      GTEST_SKIP() << prefix << cp_reason;                                                         \
+    }                                                                                              \
   } while (0)
