@@ -208,6 +208,23 @@ CP_TEST(Lesson01Cuda, Task4_RowLogsumexpMatchesTorchForEveryDtype) {
   }
 }
 
+/// online_softmax and row_logsumexp of empty shapes: no rows, and rows of no element (lse -inf).
+void check_empty_rows(torch::Device device) {
+  online_softmax(torch::zeros({1, 2}).to(device));  // counts once implemented: empty rows never reach the row code
+  for (const auto& shape : {std::vector<int64_t>{0, 7}, std::vector<int64_t>{5, 0}}) {
+    const torch::Tensor x = torch::zeros(shape);
+    EXPECT_TRUE(all_close(online_softmax(x.to(device)), oracle_softmax(x), "online_softmax of an empty shape"));
+    EXPECT_TRUE(all_close(row_logsumexp(x.to(device)), oracle_logsumexp(x), "row_logsumexp of an empty shape"));
+  }
+}
+
+CP_TEST(Lesson01, Task3_EmptyShapes) { check_empty_rows(torch::kCPU); }
+
+CP_TEST(Lesson01Cuda, Task4_EmptyShapesOnCuda) {
+  CP_REQUIRE_GPU();
+  check_empty_rows(torch::kCUDA);
+}
+
 CP_TEST(Lesson01Cuda, Task4_MinusInfRowsAndManyRows) {
   CP_REQUIRE_GPU();
   torch::Tensor x = random_with_outliers({1000, 65}, 600);

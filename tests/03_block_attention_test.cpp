@@ -92,6 +92,10 @@ const std::vector<Case> kCases = {
     {2, 2, 2, 70, 70, 128, true},    {1, 1, 1, 1030, 1100, 32, true}, {1, 2, 1, 1000, 1001, 64, false},
 };
 
+/// Empty shapes: no keys (every row attends to nothing: out 0, lse -inf), no queries, no batch.
+const std::vector<Case> kEmptyCases = {
+    {1, 2, 1, 10, 0, 32, false}, {1, 2, 1, 0, 10, 64, true}, {0, 2, 2, 5, 5, 128, false}};
+
 /// The causal position layouts of the oracle, as masks.
 std::vector<std::pair<std::string, AttentionMask>> position_layouts(int64_t s) {
   std::vector<std::pair<std::string, AttentionMask>> masks;
@@ -176,6 +180,10 @@ CP_TEST(Lesson03, Task2_FullyMaskedRowsGiveZeroAndMinusInf) {
   EXPECT_TRUE((r.lse.narrow(2, 20, 20) > -INFINITY).all().item<bool>());
 }
 
+CP_TEST(Lesson03, Task2_EmptyShapes) {
+  for (const Case& c : kEmptyCases) check_forward(c, {c.causal, {}, {}}, torch::kCPU, torch::kFloat, 5, "cpu, empty");
+}
+
 CP_TEST(Lesson03, Task2_SplitKEquivalenceInAnyOrder) {
   // Attention over all keys equals the merge of attention over any partition of the keys, in
   // any order: the property every ring step relies on.
@@ -233,6 +241,11 @@ CP_TEST(Lesson03Cuda, Task3_CausalMaskFromGlobalPositions) {
   const int64_t s = 150;
   for (const auto& [name, mask] : position_layouts(s))
     for (int64_t d : {32, 128}) check_forward({1, 4, 2, s, s, d, true}, mask, torch::kCUDA, torch::kFloat, 22, name);
+}
+
+CP_TEST(Lesson03Cuda, Task3_EmptyShapesOnCuda) {
+  CP_REQUIRE_GPU();
+  for (const Case& c : kEmptyCases) check_forward(c, {c.causal, {}, {}}, torch::kCUDA, torch::kFloat, 5, "cuda, empty");
 }
 
 CP_TEST(Lesson03Cuda, Task3_SplitKMergeOnCudaAndUnsupportedHeadDim) {
@@ -300,10 +313,8 @@ CP_TEST(Lesson03Kernels, Task3_KernelCausalMaskFromGlobalPositions) {
 }
 
 CP_TEST(Lesson03Kernels, Task3_KernelEmptyShapes) {
-  // No keys: every row attends to nothing (out 0, lse -inf). No queries or no heads: nothing to do.
   CP_REQUIRE_CUDA_RUNTIME();
-  for (const Case& c : {Case{1, 2, 1, 10, 0, 32, false}, Case{1, 2, 1, 0, 10, 64, true}, Case{0, 2, 2, 5, 5, 128, false}})
-    check_forward_with(forward_kernel, c, {c.causal, {}, {}}, torch::kFloat, 5, "kernel, empty");
+  for (const Case& c : kEmptyCases) check_forward_with(forward_kernel, c, {c.causal, {}, {}}, torch::kFloat, 5, "kernel, empty");
 }
 
 CP_TEST(Lesson03Kernels, Task3_KernelRejectsAnUnsupportedHeadDim) {

@@ -90,6 +90,15 @@ CP_TEST(Lesson05, Task1_CausalPositionsAndFullyMaskedRows) {
                        "keys before all queries");
 }
 
+/// Empty shapes through the public block backward: no keys (dq = 0), no queries (dk = dv = 0), no batch.
+void check_empty_block_backward(torch::Device device) {
+  check_block_backward(random_inputs(1, 2, 1, 10, 0, 32, 6), {false, {}, {}}, device, torch::kFloat, "no keys");
+  check_block_backward(random_inputs(1, 2, 1, 0, 10, 64, 7), {true, {}, {}}, device, torch::kFloat, "no queries");
+  check_block_backward(random_inputs(0, 2, 2, 5, 5, 128, 8), {false, {}, {}}, device, torch::kFloat, "no batch");
+}
+
+CP_TEST(Lesson05, Task1_EmptyShapes) { check_empty_block_backward(torch::kCPU); }
+
 CP_TEST(Lesson05, Task1_BadInputGivesClearErrors) {
   const Inputs in = random_inputs(1, 2, 1, 8, 8, 32, 4);
   const AttnResult fwd = attention_block_forward(in.q, in.k, in.v);
@@ -113,6 +122,11 @@ CP_TEST(Lesson05Cuda, Task2_BlockBackwardOnCudaForEveryDtypeAndHeadDim) {
         check_block_backward(random_inputs(2, 4, 2, 70, 97, d, seed++), {causal, {}, {}}, torch::kCUDA, dtype, "cuda");
   check_block_backward(random_inputs(1, 2, 1, 40, 40, 64, 3), {true, torch::arange(40), torch::arange(40) + 20},
                        torch::kCUDA, torch::kFloat, "cuda, half the rows fully masked");
+}
+
+CP_TEST(Lesson05Cuda, Task2_EmptyShapesOnCuda) {
+  CP_REQUIRE_GPU();
+  check_empty_block_backward(torch::kCUDA);
 }
 
 // ── Task 3: the ring backward ─────────────────────────────────────────────────────────────────
