@@ -1,8 +1,10 @@
 // Lesson 01 — online softmax. Shared by the learner and the solution builds; the test names
 // carry the task numbers of the lesson README.
+#include <torch/cuda.h>
 #include <torch/types.h>
 
 #include <random>
+#include <thread>
 
 #include "common/error.h"
 #include "common/tensor_checks.h"
@@ -223,6 +225,18 @@ CP_TEST(Lesson01, Task3_EmptyShapes) { check_empty_rows(torch::kCPU); }
 CP_TEST(Lesson01Cuda, Task4_EmptyShapesOnCuda) {
   CP_REQUIRE_GPU();
   check_empty_rows(torch::kCUDA);
+}
+
+CP_TEST(Lesson01Cuda, Task4_KernelRunsOnTheTensorsGpu) {
+  // A thread starts on GPU 0; a tensor on GPU 1 must still be processed on GPU 1, on that GPU's
+  // stream (the launch happens inside a CudaDeviceScope of the tensor's device).
+  CP_REQUIRE_GPU();
+  if (torch::cuda::device_count() < 2) GTEST_SKIP() << "needs two GPUs (one is visible)";
+  const torch::Tensor x = random_with_outliers({37, 300}, 650);
+  torch::Tensor y;
+  std::thread([&] { y = online_softmax(x.to(torch::Device(torch::kCUDA, 1))); }).join();
+  EXPECT_EQ(y.device(), torch::Device(torch::kCUDA, 1));
+  EXPECT_TRUE(all_close(y, oracle_softmax(x), "online_softmax of a tensor on GPU 1"));
 }
 
 CP_TEST(Lesson01Cuda, Task4_MinusInfRowsAndManyRows) {
