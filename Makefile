@@ -5,6 +5,7 @@
 #   make lesson N=01     build and run the learner tests of one lesson
 #   make status          per-lesson table of the learner's progress
 #   make compare N=01    learner vs solution: results, errors, timings, diff of filled regions
+#   make sanitize        the solution tests under ASan + UBSan and TSan (build-address/, build-thread/)
 SHELL := /bin/bash
 BUILD ?= build
 CP_CUDA_ARCHS ?= 80;90
@@ -17,7 +18,7 @@ export BUILD_DIR = $(BUILD)
 NN = $(shell printf '%02d' $$((10#$(N))) 2>/dev/null)
 CMAKE_ARGS = -G Ninja -DCP_CUDA_ARCHS="$(CP_CUDA_ARCHS)" $(if $(CMAKE_PREFIX_PATH),-DCMAKE_PREFIX_PATH="$(CMAKE_PREFIX_PATH)")
 
-.PHONY: setup setup-cuda-cpu configure build test demo lesson status compare docs bench skeletons check-skeletons gpu-check clean need-N
+.PHONY: setup setup-cuda-cpu configure build test demo lesson status compare docs bench skeletons check-skeletons gpu-check sanitize clean need-N
 
 setup:
 	@tools/setup
@@ -88,5 +89,8 @@ check-skeletons:
 gpu-check:
 	tools/gpu-check
 
+sanitize: setup
+	tools/sanitize
+
 clean:
-	rm -rf $(BUILD)
+	rm -rf $(BUILD) $(BUILD)-address $(BUILD)-thread

@@ -1,6 +1,7 @@
 #include "common/comm.h"
 
 #include "common/error.h"
+#include "common/tensor_checks.h"
 
 namespace cp {
 
@@ -47,6 +48,7 @@ void Comm::sendrecv(const torch::Tensor& send_tensor, int dst, torch::Tensor& re
 
 torch::Tensor Comm::all_gather(const torch::Tensor& tensor) {
   check_buffer(tensor, "all_gather");
+  check_same_on_every_rank(*this, tensor, "all_gather");
   std::vector<torch::Tensor> parts(size());
   std::vector<P2POp> ops;
   for (int peer = 0; peer < size(); ++peer) {
@@ -64,6 +66,7 @@ torch::Tensor Comm::all_gather(const torch::Tensor& tensor) {
 
 torch::Tensor Comm::reduce_scatter(const torch::Tensor& tensor) {
   check_buffer(tensor, "reduce_scatter");
+  check_same_on_every_rank(*this, tensor, "reduce_scatter");
   CP_CHECK(tensor.dim() >= 1 && tensor.size(0) % size() == 0,
            "reduce_scatter: dim 0 must be divisible by the world size ", size(), ", got shape ",
            tensor.sizes());
@@ -87,6 +90,7 @@ torch::Tensor Comm::reduce_scatter(const torch::Tensor& tensor) {
 
 void Comm::all_reduce(torch::Tensor& tensor, ReduceOp op) {
   check_buffer(tensor, "all_reduce");
+  check_same_on_every_rank(*this, tensor, "all_reduce");
   const torch::Tensor stacked = all_gather(tensor.unsqueeze(0));  // [N, ...] in rank order
   torch::Tensor reduced = torch::empty_like(tensor);
   if (op == ReduceOp::Sum) {
@@ -101,6 +105,7 @@ void Comm::all_reduce(torch::Tensor& tensor, ReduceOp op) {
 void Comm::broadcast(torch::Tensor& tensor, int root) {
   check_buffer(tensor, "broadcast");
   check_peer(root, "broadcast (root)");
+  check_same_on_every_rank(*this, tensor, "broadcast");
   if (rank() != root) {
     recv(tensor, root);
     return;

@@ -1,5 +1,7 @@
 #include "common/tensor_checks.h"
 
+#include <vector>
+
 #include "common/error.h"
 
 namespace cp {
@@ -27,6 +29,37 @@ void check_float_dtype(const torch::Tensor& t, const char* arg) {
   CP_CHECK(t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kDouble, arg,
            ": the CPU path takes float32 or float64, got ", t.dtype(),
            " (float16/bfloat16 are supported on CUDA; use .to(torch::kFloat) on the CPU)");
+}
+
+void check_same_on_every_rank(Comm& comm, const torch::Tensor& t, const std::string& arg, const std::string& hint) {
+  CP_CHECK(t.defined(), arg, ": tensor is undefined");
+  // [dim, sizes..., dtype], padded with -1 to a fixed length so that every message has one size.
+  constexpr int64_t kMaxDims = 8, kFields = kMaxDims + 2;
+  CP_CHECK(t.dim() <= kMaxDims, arg, ": at most ", kMaxDims, " dimensions are supported, got ", t.sizes());
+  std::vector<int64_t> mine(kFields, -1);
+  mine[0] = t.dim();
+  for (int64_t d = 0; d < t.dim(); ++d) mine[d + 1] = t.size(d);
+  mine[kFields - 1] = static_cast<int64_t>(t.scalar_type());
+  // On t's device: the nccl backend only moves GPU tensors.
+  const torch::Tensor descriptor = torch::tensor(mine, torch::kLong).to(t.device());
+  std::vector<torch::Tensor> theirs(comm.size());
+  std::vector<P2POp> ops;
+  for (int peer = 0; peer < comm.size(); ++peer) {
+    if (peer == comm.rank()) continue;
+    theirs[peer] = torch::empty_like(descriptor);
+    ops.push_back(P2POp::send(descriptor, peer));
+    ops.push_back(P2POp::recv(theirs[peer], peer));
+  }
+  comm.start(ops).wait();
+  for (int peer = 0; peer < comm.size(); ++peer) {
+    if (peer == comm.rank()) continue;
+    const torch::Tensor row = theirs[peer].cpu();
+    if (torch::equal(row, descriptor.cpu())) continue;
+    const int64_t* f = row.data_ptr<int64_t>();
+    CP_FAIL(arg, ": every rank must pass the same shape and dtype; rank ", comm.rank(), " has ", t.sizes(), " ",
+            t.dtype(), ", rank ", peer, " has ", torch::IntArrayRef(f + 1, f[0]), " ",
+            c10::ScalarType(f[kFields - 1]), hint.empty() ? "" : ". ", hint);
+  }
 }
 
 }  // namespace cp

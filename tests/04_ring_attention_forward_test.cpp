@@ -16,6 +16,7 @@ namespace cp {
 namespace {
 
 using testing::all_close;
+using testing::all_close_or_nan;
 using testing::for_each_world;
 using testing::oracle_attention;
 
@@ -55,6 +56,40 @@ CP_TEST(Lesson04, Task1_ForwardMatchesFullAttention) {
                                  " of " + std::to_string(comm.size());
         EXPECT_TRUE(all_close(r.out, shard(out, comm), "out " + what, {"b", "h", "s", "d"}));
         EXPECT_TRUE(all_close(r.lse, shard(lse, comm), "lse " + what, {"b", "h", "s"}));
+      }
+    }
+  });
+}
+
+CP_TEST(Lesson04, Task1_NanAndInfReachExactlyTheRowsThatSeeThem) {
+  // One non-finite value in one rank's q, k or v: the rows that see it (on any rank) get the
+  // float64 reference's NaN or +inf, the others stay exact; a NaN is never taken for a masked key.
+  struct Poison {
+    std::string name;
+    char tensor;  // 'q', 'k' or 'v'
+    int64_t dim;
+    float value;
+  };
+  const std::vector<Poison> poisons = {{"NaN in q", 'q', 3, NAN},        {"NaN in k", 'k', 5, NAN},
+                                       {"NaN in v", 'v', 2, NAN},         {"+inf in q", 'q', 1, INFINITY},
+                                       {"+inf in k", 'k', 4, INFINITY},   {"-inf in k", 'k', 4, -INFINITY}};
+  for_each_world([&](Comm& comm) {
+    const Problem p{1, 2, 1, 5, 32};
+    const Sequence clean = make_sequence(p, comm.size(), 12);
+    const int64_t s = clean.q.size(2);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(p.head_dim));
+    for (const Poison& x : poisons) {
+      Sequence seq{clean.q.clone(), clean.k.clone(), clean.v.clone()};
+      torch::Tensor& t = x.tensor == 'q' ? seq.q : x.tensor == 'k' ? seq.k : seq.v;
+      t[0][0][x.tensor == 'q' ? s * 2 / 3 : s / 2][x.dim] = x.value;  // a query late, a key mid-sequence
+      for (bool causal : {false, true}) {
+        const auto [out, lse] = oracle_attention(seq.q, seq.k, seq.v, causal, torch::arange(s), torch::arange(s), scale);
+        const RingResult r = ring_attention_forward(comm, shard(seq.q, comm), shard(seq.k, comm), shard(seq.v, comm),
+                                                    {causal, {}, true, nullptr});
+        const std::string what = x.name + (causal ? ", causal" : ", full") + ", rank " + std::to_string(comm.rank()) +
+                                 " of " + std::to_string(comm.size());
+        EXPECT_TRUE(all_close_or_nan(r.out, shard(out, comm), "out " + what, {"b", "h", "s", "d"}));
+        EXPECT_TRUE(all_close_or_nan(r.lse, shard(lse, comm), "lse " + what, {"b", "h", "s"}));
       }
     }
   });
@@ -128,25 +163,41 @@ CP_TEST(Lesson04, Task1_TraceRecordsComputeAndCommunication) {
 }
 
 CP_TEST(Lesson04, Task1_BadInputGivesClearErrors) {
-  auto expect_error = [](const std::function<void(Comm&)>& body, const std::string& needle) {
-    testing::expect_error([&] { run_local_world(3, body); }, needle);
-  };
   run_local_world(1, [](Comm& comm) {  // counts once implemented
     ring_attention_forward(comm, torch::zeros({1, 1, 4, 32}), torch::zeros({1, 1, 4, 32}), torch::zeros({1, 1, 4, 32}));
   });
-  // S = 10 over 3 ranks: someone gets a different length.
-  expect_error([](Comm& comm) {
-    const int64_t len = comm.rank() == 2 ? 4 : 3;
-    const torch::Tensor t = torch::zeros({1, 1, len, 32});
-    ring_attention_forward(comm, t, t, t);
-  }, "Is S divisible by N = 3?");
-  expect_error([](Comm& comm) {
-    const torch::Tensor t = torch::zeros({1, 1, 4, 32}, comm.rank() == 1 ? torch::kDouble : torch::kFloat);
-    ring_attention_forward(comm, t, t, t);
-  }, "q: every rank must pass the same shape and dtype");
-  expect_error([](Comm& comm) {
-    ring_attention_forward(comm, torch::zeros({1, 1, 4, 32}), torch::zeros({1, 1, 4, 32}), torch::zeros({1, 1, 5, 32}));
-  }, "v: shape must be k's");
+  // body runs on every rank of a world of 3; a rank's error releases the others.
+  auto on_3_ranks = [](std::function<void(Comm&)> body) { return [body] { run_local_world(3, body); }; };
+  auto forward = [](Comm& comm, const RingOptions& options) {
+    const torch::Tensor t = torch::zeros({1, 1, 4, 32});
+    ring_attention_forward(comm, t, t, t, options);
+  };
+  RingOptions no_exchange;
+  no_exchange.exchange = nullptr;
+  RingOptions short_layout;  // a layout that gives every rank one position too few
+  short_layout.layout.positions = [](int rank, int, int64_t chunk, torch::Device) {
+    return torch::arange(rank * chunk, (rank + 1) * chunk - 1, torch::kLong);
+  };
+  testing::expect_errors({
+      {"S = 10 over 3 ranks: rank 2 holds 4 tokens", on_3_ranks([](Comm& comm) {
+         const torch::Tensor t = torch::zeros({1, 1, comm.rank() == 2 ? 4 : 3, 32});
+         ring_attention_forward(comm, t, t, t);
+       }), "Is S divisible by N = 3?"},
+      {"rank 1 passes float64", on_3_ranks([](Comm& comm) {
+         const torch::Tensor t = torch::zeros({1, 1, 4, 32}, comm.rank() == 1 ? torch::kDouble : torch::kFloat);
+         ring_attention_forward(comm, t, t, t);
+       }), "q: every rank must pass the same shape and dtype"},
+      {"v longer than k", on_3_ranks([](Comm& comm) {
+         ring_attention_forward(comm, torch::zeros({1, 1, 4, 32}), torch::zeros({1, 1, 4, 32}), torch::zeros({1, 1, 5, 32}));
+       }), "v: shape must be k's"},
+      {"k with 3 dimensions", on_3_ranks([](Comm& comm) {
+         ring_attention_forward(comm, torch::zeros({1, 1, 4, 32}), torch::zeros({1, 4, 32}), torch::zeros({1, 4, 32}));
+       }), "expected at least 4 dimension(s)"},
+      {"an empty RingOptions::exchange", on_3_ranks([&](Comm& comm) { forward(comm, no_exchange); }),
+       "options.exchange: empty"},
+      {"a layout whose positions are one short", on_3_ranks([&](Comm& comm) { forward(comm, short_layout); }),
+       "options.layout.positions: rank 0 of 3 must get int64 [S/N = 4], got [3]"},
+  });
 }
 
 CP_TEST(Lesson04Cuda, Task1_ForwardOnCudaForEveryDtypeAndHeadDim) {

@@ -103,6 +103,30 @@ CP_TEST(Lesson06, Task3_RingAttentionIsIdenticalWithEveryStrategy) {
   });
 }
 
+CP_TEST(Lesson06, Task2_BadInputGivesClearErrors) {
+  run_local_world(2, [](Comm& comm) {  // counts once task 2 is written
+    torch::Tensor received = torch::empty({1});
+    ring_exchange(comm, torch::ones({1}), received, Exchange::OddEven);
+  });
+  // recv must have send's shape and dtype; at N = 1 (a plain copy) as at N = 3.
+  auto exchange = [](int n, torch::Tensor recv) {
+    return [n, recv] {
+      run_local_world(n, [&](Comm& comm) {
+        torch::Tensor target = recv.defined() ? recv.clone() : recv;
+        ring_exchange(comm, torch::ones({2, 3}), target, Exchange::OddEven);
+      });
+    };
+  };
+  testing::expect_errors({
+      {"N = 1, recv of 5 elements", exchange(1, torch::empty({5})), "recv must have send's shape and dtype ([2, 3] float)"},
+      {"N = 1, recv [1, 3] (broadcastable)", exchange(1, torch::empty({1, 3})), "got [1, 3] float"},
+      {"N = 1, recv float64", exchange(1, torch::empty({2, 3}, torch::kDouble)), "got [2, 3] double"},
+      {"N = 1, recv [3, 2] (same size)", exchange(1, torch::empty({3, 2})), "got [3, 2] float"},
+      {"N = 3, recv of 5 elements", exchange(3, torch::empty({5})), "recv must have send's shape and dtype"},
+      {"undefined recv", exchange(2, torch::Tensor()), "send and recv must be defined tensors"},
+  });
+}
+
 CP_TEST(Lesson06, Task3_TheNaiveStrategyIsRefusedForRingAttention) {
   run_local_world(2, [](Comm& comm) {  // counts once task 3 is written
     torch::Tensor received = torch::empty({1});

@@ -71,6 +71,15 @@ CP_TEST(Lesson07, Task1_LengthsThatDoNotDivideAreClearErrors) {
 
 // ── Task 2: the work model ────────────────────────────────────────────────────────────────────
 
+CP_TEST(Lesson07, Task2_BadInputGivesClearErrors) {
+  causal_work(Layout::ZigZag, 12, 3);  // counts once implemented
+  testing::expect_errors({
+      {"world 0", [] { causal_work(Layout::Contiguous, 8, 0); }, "causal_work: world must be at least 1, got 0"},
+      {"world -1", [] { causal_work(Layout::Stripe, 8, -1); }, "causal_work: world must be at least 1, got -1"},
+      {"S = 10 over 4 ranks", [] { causal_work(Layout::Contiguous, 10, 4); }, "S = 10 is not divisible by N = 4"},
+  });
+}
+
 CP_TEST(Lesson07, Task2_CausalWorkIsExact) {
   for (int n : {1, 2, 3, 4, 8}) {
     const int64_t s = 2 * n * 6;

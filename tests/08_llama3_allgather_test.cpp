@@ -67,6 +67,26 @@ CP_TEST(Lesson08, Task1_BadCuSeqlensAreClearErrors) {
   expect_error([] { zigzag_varlen_positions(torch::tensor({0.0, 8.0}), 2, 0); }, "expected int64 or int32");
   expect_error([] { check_cu_seqlens(torch::tensor({0, 8}, torch::kLong), 12, 2); }, "must end at T = 12");
   expect_error([] { zigzag_varlen_positions(torch::tensor({0, 8}, torch::kLong), 2, 2); }, "rank 2 is not in a world of 2");
+  const std::vector<torch::Tensor> shards = {torch::zeros({4, 2}), torch::zeros({4, 2})};  // T = 8 over 2 ranks
+  testing::expect_errors({
+      {"unshard with cu_seqlens of T = 16", [&] { zigzag_varlen_unshard(shards, torch::tensor({0, 16}, torch::kLong)); },
+       "zigzag_varlen_unshard: cu_seqlens must end at T = 8 (2 shards of 4 rows), ends at 16"},
+      {"unshard with a shard of 3 rows", [] {
+         zigzag_varlen_unshard({torch::zeros({4}), torch::zeros({3})}, torch::tensor({0, 8}, torch::kLong));
+       }, "shard 1 has shape [3], shard 0 has [4]"},
+      {"unshard of a 0-d shard", [] { zigzag_varlen_unshard({torch::zeros({})}, torch::tensor({0, 8}, torch::kLong)); },
+       "shards must be packed tensors"},
+      {"cu_seqlens with no boundary", [] { zigzag_varlen_positions(torch::zeros({0}, torch::kLong), 2, 0); },
+       "expected int64 or int32 [documents + 1]"},
+  });
+}
+
+CP_TEST(Lesson08, Task1_NoDocumentsIsAnEmptyBatch) {
+  const torch::Tensor no_documents = torch::zeros({1}, torch::kLong);  // cu_seqlens [0]
+  EXPECT_EQ(zigzag_varlen_positions(no_documents, 3, 1).numel(), 0);
+  EXPECT_EQ(zigzag_varlen_shard(torch::zeros({0, 2, 8}), no_documents, 3, 1).sizes(), torch::IntArrayRef({0, 2, 8}));
+  EXPECT_EQ(zigzag_varlen_unshard({torch::zeros({0, 2}), torch::zeros({0, 2})}, no_documents).sizes(),
+            torch::IntArrayRef({0, 2}));
 }
 
 // ── Task 2: query groups and K/V slices ───────────────────────────────────────────────────────
@@ -253,6 +273,45 @@ CP_TEST(Lesson08, Task3_BadInputsAreClearErrors) {
       zigzag_llama3_attention_forward(comm, t, t, t, torch::tensor({0, 8}, torch::kLong));
     });
   }, "expected packed [T/N, H, D]");
+
+  // The varlen calls on their own: q [4, 1, 32], k, v [6, 1, 32], two segments.
+  const torch::Tensor q = torch::zeros({4, 1, 32}), kv = torch::zeros({6, 1, 32});
+  auto varlen = [&](std::vector<int64_t> cu_q, std::vector<int64_t> cu_k, torch::Tensor q_pos, torch::Tensor k_pos,
+                    torch::Tensor q_in = {}) {
+    return [=] {
+      varlen_attention_forward(q_in.defined() ? q_in : q, kv, kv, VarlenSegments{cu_q, cu_k, q_pos, k_pos});
+    };
+  };
+  const torch::Tensor q_pos = torch::arange(4), k_pos = torch::arange(6);
+  testing::expect_errors({
+      {"segment boundaries that go back", varlen({0, 6, 4}, {0, 2, 6}, q_pos, k_pos),
+       "segments: boundaries must not decrease; segment 1 is q [6, 4)"},
+      {"key boundaries that go back", varlen({0, 2, 4}, {0, 8, 6}, q_pos, k_pos), "segment 1 is q [2, 4), k [8, 6)"},
+      {"q_positions of 3 rows", varlen({0, 2, 4}, {0, 3, 6}, torch::arange(3), k_pos),
+       "segments.q_positions: expected int64 [4], got [3]"},
+      {"k_positions float32", varlen({0, 2, 4}, {0, 3, 6}, q_pos, torch::arange(6, torch::kFloat)),
+       "segments.k_positions: expected int64 [6], got [6] float"},
+      {"undefined q_positions", varlen({0, 2, 4}, {0, 3, 6}, torch::Tensor(), k_pos), "segments.q_positions"},
+      {"a 4-D q", varlen({0, 2, 4}, {0, 3, 6}, q_pos, k_pos, torch::zeros({1, 4, 1, 32})),
+       "q: expected a packed [T, H, D] tensor"},
+      {"cu_q ending at 5", varlen({0, 2, 5}, {0, 3, 6}, q_pos, k_pos), "segments: cu_q must end at Tq = 4"},
+  });
+}
+
+CP_TEST(Lesson08, Task3_NoTokensGiveEmptyResults) {
+  for_each_world([](Comm& comm) {
+    const torch::Tensor q = torch::zeros({0, 4, 32}), kv = torch::zeros({0, 2, 32});
+    const torch::Tensor no_documents = torch::zeros({1}, torch::kLong);
+    for (Llama3Mode mode : kModes) {
+      const Llama3Result f = zigzag_llama3_attention_forward(comm, q, kv, kv, no_documents, mode);
+      EXPECT_EQ(f.out.sizes(), q.sizes()) << to_string(mode);
+      EXPECT_EQ(f.lse.sizes(), torch::IntArrayRef({4, 0})) << to_string(mode);
+      const Llama3Grads g = zigzag_llama3_attention_backward(comm, q, q, kv, kv, f.out, f.lse, no_documents, mode);
+      EXPECT_EQ(g.dq.sizes(), q.sizes()) << to_string(mode);
+      EXPECT_EQ(g.dk.sizes(), kv.sizes()) << to_string(mode);
+      EXPECT_EQ(g.dv.sizes(), kv.sizes()) << to_string(mode);
+    }
+  });
 }
 
 CP_TEST(Lesson08, Task4_BackwardMatchesAttentionPerDocument) {

@@ -136,7 +136,35 @@ CP_TEST(Lesson09, Task2_BadShapesAreClearErrors) {
     expect_error([&] { ContextParallelAttention(comm, ContextParallelAttentionOptions{64, 4, 3, Strategy::Ring}); },
                  "heads_q 4 is not divisible by heads_kv 3");
     ContextParallelAttention layer(comm, ContextParallelAttentionOptions{kE, kHq, kHkv, Strategy::Ring});
-    expect_error([&] { layer->forward(torch::zeros({1, 4, 32})); }, "x: expected [B, S/N, E = 64]");
+    const torch::Tensor t = torch::zeros({1, 2, 4, 32});
+    testing::expect_errors({
+        {"x with E = 32", [&] { layer->forward(torch::zeros({1, 4, 32})); }, "x: expected [B, S/N, E = 64]"},
+        {"int64 x", [&] { layer->forward(torch::zeros({1, 4, kE}, torch::kLong)); },
+         "x: expected the layer's dtype and device (float on cpu), got long int on cpu"},
+        {"float64 x into a float32 layer", [&] { layer->forward(torch::zeros({1, 4, kE}, torch::kDouble)); },
+         "x: expected the layer's dtype and device"},
+        {"3-D k into strategy_forward", [&] { strategy_forward(comm, t, t[0], t, Strategy::Llama3Fused); },
+         "k: expected at least 4 dimension(s)"},
+        {"3-D v into strategy_backward", [&] { strategy_backward(comm, t, t, t, t[0], t, t[0][0], Strategy::Ring); },
+         "v: expected at least 4 dimension(s)"},
+    });
+  });
+}
+
+CP_TEST(Lesson09, Task1_EmptyInputGivesEmptyResultsForEveryStrategy) {
+  for_each_world([](Comm& comm) {
+    for (Strategy strategy : all_strategies()) {
+      for (const auto& shape : {std::vector<int64_t>{0, 4, 6, 32}, std::vector<int64_t>{2, 4, 0, 32}}) {
+        const torch::Tensor q = torch::zeros(shape, torch::requires_grad());
+        const torch::Tensor kv = torch::zeros({shape[0], 2, shape[2], 32}, torch::requires_grad());
+        const torch::Tensor o = context_parallel_attention(comm, q, kv, kv, strategy);
+        o.sum().backward();
+        const std::string what = where(strategy, comm) + ", q " + c10::str(q.sizes());
+        EXPECT_EQ(o.sizes(), q.sizes()) << what;
+        EXPECT_EQ(q.grad().sizes(), q.sizes()) << what;
+        EXPECT_EQ(kv.grad().sizes(), kv.sizes()) << what;
+      }
+    }
   });
 }
 

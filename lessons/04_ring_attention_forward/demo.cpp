@@ -62,7 +62,7 @@ void run(cp::Comm& comm, torch::Device device, int64_t seq, bool causal, cp::Tra
 }  // namespace
 
 int main(int argc, char** argv) {
-  try {
+  return cp::run_main([&] {
     const cp::CommandLine cli(argc, argv, "Ring attention on N ranks vs single-device attention.",
                               {{"--backend", "local", "local (N threads), mpi or nccl (one process per rank, mpirun)"},
                                {"--world", "4", "number of ranks of the local backend"},
@@ -72,11 +72,19 @@ int main(int argc, char** argv) {
     torch::set_num_threads(1);
     const cp::Backend backend = cp::parse_backend(cli.get("--backend"));
     const torch::Device device = backend == cp::Backend::Nccl ? torch::Device(torch::kCUDA) : torch::Device(torch::kCPU);
+    const int64_t seq = cli.get_int("--seq");
+    CP_CHECK(backend != cp::Backend::Local || cli.get_int("--world") >= 1, "--world: expected at least 1 rank, got ",
+             cli.get_int("--world"));
     cp::Trace trace;
     std::string trace_path = cli.get("--trace");
     cp::run_world(backend, cli.get_int("--world"), [&](cp::Comm& comm) {
-      run(comm, device, cli.get_int("--seq"), /*causal=*/false, nullptr);
-      run(comm, device, cli.get_int("--seq"), /*causal=*/true, trace_path.empty() ? nullptr : &trace);
+      // Checked by every rank before any exchange: the same error everywhere, nobody waits.
+      if (seq <= 0 || seq % comm.size() != 0)
+        throw cp::ErrorOnEveryRank(cp::detail::concat("--seq ", seq, " must be a positive multiple of the world size ",
+                                                      comm.size(), " (each rank holds S/N tokens)"),
+                                   __FILE__, __LINE__);
+      run(comm, device, seq, /*causal=*/false, nullptr);
+      run(comm, device, seq, /*causal=*/true, trace_path.empty() ? nullptr : &trace);
       // One process per rank: each writes its own spans.
       if (backend != cp::Backend::Local && !trace_path.empty()) trace_path += ".rank" + std::to_string(comm.rank());
     });
@@ -88,12 +96,8 @@ int main(int argc, char** argv) {
       std::printf("\nCausal: rank r computes r+1 blocks and skips the rest — the imbalance lesson 07 removes.\n"
                   "On CPU tensors the local backend copies as soon as both sides have posted, so the trace shows\n"
                   "little overlap; on a GPU the copies run on their own stream under the compute.\n");
-  } catch (const cp::NotImplemented& e) {
+    return 0;
+  }, [](const cp::NotImplemented& e) {
     std::printf("\nThis demo runs your lesson 04 code, which is not written yet:\n  %s\n", e.what());
-    return 1;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 2;
-  }
-  return 0;
+  });
 }

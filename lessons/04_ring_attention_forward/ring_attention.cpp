@@ -30,25 +30,6 @@ RingLayout contiguous_layout() {
   return layout;
 }
 
-void check_same_on_every_rank(Comm& comm, const torch::Tensor& t, const char* arg) {
-  // [dim, sizes..., dtype] padded to a fixed length, gathered from every rank.
-  constexpr int64_t kFields = 8;
-  std::vector<int64_t> mine(kFields, -1);
-  mine[0] = t.dim();
-  for (int64_t d = 0; d < t.dim() && d + 2 < kFields; ++d) mine[d + 1] = t.size(d);
-  mine[kFields - 1] = static_cast<int64_t>(t.scalar_type());
-  // On t's device: the nccl backend only moves GPU tensors.
-  const torch::Tensor all = comm.all_gather(torch::tensor(mine, torch::kLong).to(t.device())).cpu();  // [N * kFields]
-  const torch::Tensor rows = all.view({comm.size(), kFields});
-  for (int r = 0; r < comm.size(); ++r) {
-    if (torch::equal(rows[r], rows[comm.rank()])) continue;
-    const torch::Tensor theirs = rows[r].narrow(0, 1, rows[r][0].item<int64_t>());
-    CP_FAIL(arg, ": every rank must pass the same shape and dtype; rank ", comm.rank(), " has ", t.sizes(), " ",
-            t.dtype(), ", rank ", r, " has ", torch::IntArrayRef(theirs.data_ptr<int64_t>(), theirs.numel()), " ",
-            c10::ScalarType(rows[r][kFields - 1].item<int64_t>()), ". Is S divisible by N = ", comm.size(), "?");
-  }
-}
-
 Request batched_ring_exchange(Comm& comm, const std::vector<torch::Tensor>& outgoing,
                               const std::vector<torch::Tensor>& incoming) {
   const int next = (comm.rank() + 1) % comm.size(), prev = (comm.rank() - 1 + comm.size()) % comm.size();
@@ -58,18 +39,32 @@ Request batched_ring_exchange(Comm& comm, const std::vector<torch::Tensor>& outg
   return comm.start(ops);
 }
 
-int64_t check_ring_inputs(Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+int64_t check_ring_inputs(Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                          const RingOptions& options) {
   check_attention_inputs(q, k, v);
-  check_same_on_every_rank(comm, q, "q");
-  check_same_on_every_rank(comm, k, "k");
+  const std::string hint = detail::concat("Is S divisible by N = ", comm.size(), "?");
+  check_same_on_every_rank(comm, q, "q", hint);
+  check_same_on_every_rank(comm, k, "k", hint);
   CP_CHECK(k.size(2) == q.size(2), "k: every rank holds S/N tokens of q, k and v; q has ", q.size(2), ", k has ",
            k.size(2));
-  return q.size(2);
+  const int64_t chunk = q.size(2);
+  CP_CHECK(options.exchange, "options.exchange: empty; leave the default (batched_ring_exchange) or set a strategy");
+  CP_CHECK(options.layout.positions && options.layout.plan,
+           "options.layout: positions and plan must both be set (e.g. contiguous_layout())");
+  // A layout is the caller's code: check that it places exactly S/N tokens on every rank, or
+  // the masks below would silently use the wrong tokens' positions.
+  for (int r = 0; r < comm.size(); ++r) {
+    const torch::Tensor pos = options.layout.positions(r, comm.size(), chunk, q.device());
+    CP_CHECK(pos.defined() && pos.dim() == 1 && pos.size(0) == chunk && pos.scalar_type() == torch::kLong,
+             "options.layout.positions: rank ", r, " of ", comm.size(), " must get int64 [S/N = ", chunk, "], got ",
+             pos.defined() ? pos.sizes() : torch::IntArrayRef{}, " ", pos.defined() ? pos.dtype() : caffe2::TypeMeta());
+  }
+  return chunk;
 }
 
 RingResult ring_attention_forward(Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                   const RingOptions& options) {
-  const int64_t chunk = check_ring_inputs(comm, q, k, v);
+  const int64_t chunk = check_ring_inputs(comm, q, k, v, options);
   const int rank = comm.rank(), n = comm.size();
   const torch::Tensor q_pos = options.layout.positions(rank, n, chunk, q.device());
 

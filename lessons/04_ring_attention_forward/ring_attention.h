@@ -93,12 +93,10 @@ struct RingResult {
 RingResult ring_attention_forward(Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                   const RingOptions& options = {});
 
-/// Checks that every rank passes tensors of the same shape and dtype as this one, with a clear
-/// cp::Error naming `arg` otherwise (a shape differing between ranks usually means S % N != 0).
-void check_same_on_every_rank(Comm& comm, const torch::Tensor& t, const char* arg);
-
-/// The checks of a ring call: q, k, v as for attention_block_forward, the same on every rank,
-/// and as many tokens of q as of k. Returns the chunk length S/N.
-int64_t check_ring_inputs(Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v);
+/// The checks of a ring call: q, k, v as for attention_block_forward, the same on every rank
+/// (check_same_on_every_rank), as many tokens of q as of k, an exchange and a layout that puts
+/// S/N positions on every rank. Returns the chunk length S/N.
+int64_t check_ring_inputs(Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                          const RingOptions& options);
 
 }  // namespace cp

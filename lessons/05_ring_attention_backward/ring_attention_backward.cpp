@@ -1,6 +1,7 @@
 // Lesson 05, task 3 — ring attention backward: K/V rotate as in the forward, dQ stays home, and
 // the dK/dV accumulators travel with their K/V chunk, arriving home after N hops.
 #include <chrono>
+#include <utility>
 
 #include "common/device.h"
 #include "common/error.h"
@@ -12,7 +13,10 @@ namespace cp {
 RingGrads ring_attention_backward(Comm& comm, const torch::Tensor& dout, const torch::Tensor& q, const torch::Tensor& k,
                                   const torch::Tensor& v, const torch::Tensor& out, const torch::Tensor& lse,
                                   const RingOptions& options) {
-  const int64_t chunk = check_ring_inputs(comm, q, k, v);
+  const int64_t chunk = check_ring_inputs(comm, q, k, v, options);
+  for (const auto& [t, arg] : {std::pair{&dout, "dout"}, std::pair{&out, "out"}})
+    CP_CHECK(t->defined() && t->sizes() == q.sizes(), arg, ": expected q's shape ", q.sizes(), ", got ",
+             t->defined() ? t->sizes() : torch::IntArrayRef{});
   CP_CHECK(lse.defined() && lse.sizes() == q.sizes().slice(0, 3), "lse: expected shape ", q.sizes().slice(0, 3),
            " ([B, Hq, S/N] of q), got ", lse.defined() ? lse.sizes() : torch::IntArrayRef{});
   const int rank = comm.rank(), n = comm.size();

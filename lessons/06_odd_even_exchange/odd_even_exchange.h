@@ -25,7 +25,8 @@ enum class Exchange {
 std::string to_string(Exchange how);
 
 /// Sends `send` to rank (r+1) mod N and receives into `recv` from rank (r−1) mod N, `how`.
-/// N = 1 is a copy (a rank is its own neighbour). Returns when both are complete.
+/// `recv` must have send's shape and dtype (a cp::Error otherwise). N = 1 is a copy (a rank is
+/// its own neighbour). Returns when both are complete.
 void ring_exchange(Comm& comm, const torch::Tensor& send, torch::Tensor& recv, Exchange how);
 
 /// The ring attention hook (RingOptions::exchange) for `how`: each tensor pair is exchanged in

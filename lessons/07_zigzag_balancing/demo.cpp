@@ -72,13 +72,16 @@ void write_svg(const std::string& path, int world, int64_t seq) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  try {
+  return cp::run_main([&] {
     const cp::CommandLine cli(argc, argv, "Causal load balance of the contiguous, zig-zag and stripe layouts.",
                               {{"--seq", "1024", "sequence length S (divisible by 2N for N = 2, 4, 8)"},
                                {"--svg", "", "write a bar chart of the per-rank work for N = 8 here"}});
     if (cli.help_requested()) return 0;
     torch::set_num_threads(1);
     const int64_t seq = cli.get_int("--seq");
+    // Zig-zag cuts S into 2N chunks, for N = 2, 4 and 8: S must be a multiple of 16.
+    CP_CHECK(seq > 0 && seq % 16 == 0, "--seq ", seq, " must be a positive multiple of 16: the zig-zag layout cuts S "
+             "into 2N chunks for N = 2, 4 and 8");
     std::printf("Causal attention, S = %lld: imbalance = max/mean over ranks (1.00 is perfect)\n", (long long)seq);
     std::printf("# %3s %-11s %12s %15s %13s %14s\n", "N", "layout", "model_pairs", "executed_pairs", "compute_time",
                 "max_rank_MFLOP");
@@ -104,12 +107,8 @@ int main(int argc, char** argv) {
       write_svg(svg, 8, seq);
       std::printf("\nBar chart of the model work per rank for N = 8: %s\n", svg.c_str());
     }
-  } catch (const cp::NotImplemented& e) {
+    return 0;
+  }, [](const cp::NotImplemented& e) {
     std::printf("\nThis demo runs your lesson 07 code, which is not written yet:\n  %s\n", e.what());
-    return 1;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 2;
-  }
-  return 0;
+  });
 }

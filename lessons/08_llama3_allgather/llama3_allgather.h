@@ -31,8 +31,9 @@ enum class Llama3Mode {
 std::string to_string(Llama3Mode mode);
 
 /// Checks cu_seqlens (int64 or int32 [D+1] on any device: 0, strictly increasing, ending at
-/// `total` unless total < 0, every document length divisible by 2N) and returns it on the host. Errors name
-/// the document and say what was expected.
+/// `total` unless total < 0, every document length divisible by 2N) and returns it on the host.
+/// D = 0 ([0]) is an empty batch, valid like every empty input of the course. Errors name the
+/// document and say what was expected.
 std::vector<int64_t> check_cu_seqlens(const torch::Tensor& cu_seqlens, int64_t total, int world);
 
 /// The packed indices (int64 [T/N]) of the tokens rank `rank` holds, in its local order: for

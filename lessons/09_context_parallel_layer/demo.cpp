@@ -253,10 +253,15 @@ torch::ScalarType parse_dtype(const std::string& name) {
   CP_FAIL("--dtype: expected float32, float64, float16 or bfloat16, got '", name, "'");
 }
 
+/// The same cp::ErrorOnEveryRank on every rank (all check the same arguments): nobody waits.
+void check_on_every_rank(bool ok, const std::string& message) {
+  if (!ok) throw cp::ErrorOnEveryRank(message, __FILE__, __LINE__);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  try {
+  return cp::run_main([&] {
     const cp::CommandLine cli(
         argc, argv, "Every context-parallel strategy of the course against single-device attention.",
         {{"--backend", "local", "local (N threads), mpi or nccl (one process per rank, under mpirun)"},
@@ -281,13 +286,28 @@ int main(int argc, char** argv) {
     const Problem p{cli.get_int("--batch"), cli.get_int("--heads"), cli.get_int("--kv-heads"), cli.get_int("--seq"),
                     cli.get_int("--dim"), cuda ? torch::Device(torch::kCUDA) : torch::Device(torch::kCPU),
                     parse_dtype(cli.get("--dtype"))};
+    const int64_t layer_seq = cli.get_int("--layer-seq");
+    // Up front, before any work: a wrong shape must be an error, never a table of wrong numbers.
+    CP_CHECK(p.batch >= 1 && p.heads_q >= 1 && p.heads_kv >= 1 && p.dim >= 1 && p.seq >= 1 && layer_seq >= 1,
+             "--batch, --heads, --kv-heads, --dim, --seq and --layer-seq must be positive");
+    CP_CHECK(p.heads_q % p.heads_kv == 0, "--heads ", p.heads_q, " must be a multiple of --kv-heads ", p.heads_kv,
+             " (grouped-query attention: each key/value head serves Hq/Hkv query heads)");
+    CP_CHECK(!cuda || p.dim == 32 || p.dim == 64 || p.dim == 128, "--dim ", p.dim,
+             ": the CUDA kernels support head dims 32, 64 and 128");
+    CP_CHECK(backend != cp::Backend::Local || cli.get_int("--world") >= 1, "--world: expected at least 1 rank, got ",
+             cli.get_int("--world"));
+    if (backend == cp::Backend::Local) {  // the world size is known now; under mpirun, in the world
+      const int64_t two_n = 2 * cli.get_int("--world");
+      for (const auto& [option, seq] : {std::pair<const char*, int64_t>{"--seq", p.seq}, {"--layer-seq", layer_seq}})
+        CP_CHECK(seq % two_n == 0, option, " ", seq, " must be divisible by 2·world = ", two_n,
+                 " for the zig-zag layout (it cuts S into 2N chunks)");
+    }
     const std::string out_dir = cli.get("--out");
     std::filesystem::create_directories(out_dir);
 
     const auto start = std::chrono::steady_clock::now();
     const Reference ref = make_reference(p);  // once per process: shared by the rank threads of a local world
     const double reference_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    const int64_t layer_seq = cli.get_int("--layer-seq");
     const LayerProblem layer = make_layer_problem(p, layer_seq);
     StepResult one_rank;  // the layer's step on a world of one rank: plain attention over all of S
     std::once_flag one_rank_done;  // computed once per process, after the strategy table
@@ -297,8 +317,8 @@ int main(int argc, char** argv) {
     cp::run_world(backend, cli.get_int("--world"), [&](cp::Comm& comm) {
       const int n = comm.size();
       for (const auto& [option, seq] : {std::pair<const char*, int64_t>{"--seq", p.seq}, {"--layer-seq", layer_seq}})
-        CP_CHECK(seq % (2 * n) == 0, option, ": S = ", seq, " is not divisible by 2N = ", 2 * n,
-                 " (zig-zag cuts S into 2N chunks)");
+        check_on_every_rank(seq % (2 * n) == 0, cp::detail::concat(option, " ", seq, " must be divisible by 2·world = ",
+                                                                   2 * n, " for the zig-zag layout (it cuts S into 2N chunks)"));
       std::vector<std::vector<std::vector<double>>> figures;  // [strategy][rank][field]
       for (cp::Strategy strategy : cp::all_strategies())
         figures.push_back(gather_rows(comm, run_strategy(comm, p, ref, strategy, &trace), p.device));
@@ -328,13 +348,9 @@ int main(int argc, char** argv) {
                 "  %-44s compute and communication spans of every strategy\n"
                 "                                               (chrome://tracing or ui.perfetto.dev)\n",
                 reference_s, out_dir.c_str(), std::filesystem::path(trace_path).filename().string().c_str());
-  } catch (const cp::NotImplemented& e) {
+    return 0;
+  }, [](const cp::NotImplemented& e) {
     std::printf("\nThe layer's training step runs your lesson 09 code, which is not finished yet:\n  %s\n"
                 "(make status shows where you are; make demo runs the solutions.)\n", e.what());
-    return 1;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 2;
-  }
-  return 0;
+  });
 }

@@ -51,6 +51,11 @@ void odd_even(Comm& comm, const torch::Tensor& send, torch::Tensor& recv, int ne
 
 void ring_exchange(Comm& comm, const torch::Tensor& send, torch::Tensor& recv, Exchange how) {
   CP_CHECK(send.defined() && recv.defined(), "ring_exchange: send and recv must be defined tensors");
+  // In a ring every rank sends the same shape, so what arrives has send's shape; at N = 1 the
+  // copy below would otherwise broadcast or convert instead of failing.
+  CP_CHECK(recv.sizes() == send.sizes() && recv.scalar_type() == send.scalar_type(),
+           "ring_exchange: recv must have send's shape and dtype (", send.sizes(), " ", send.dtype(), "), got ",
+           recv.sizes(), " ", recv.dtype());
   const int n = comm.size(), next = (comm.rank() + 1) % n, prev = (comm.rank() - 1 + n) % n;
   if (n == 1) {  // one rank is its own neighbour; a blocking send to oneself would wait forever
     recv.copy_(send);

@@ -61,6 +61,7 @@ torch::Tensor unshard_sequence(const std::vector<torch::Tensor>& shards, Layout 
 }
 
 std::vector<int64_t> causal_work(Layout layout, int64_t seq, int world) {
+  CP_CHECK(world >= 1, "causal_work: world must be at least 1, got ", world);
   std::vector<int64_t> work(world);
   for (int r = 0; r < world; ++r) {
     const torch::Tensor positions = layout_positions(layout, seq, world, r);

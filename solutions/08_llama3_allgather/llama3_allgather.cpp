@@ -3,6 +3,8 @@
 #include "llama3_allgather.h"
 
 #include <chrono>
+#include <tuple>
+#include <utility>
 
 #include "common/error.h"
 #include "common/tensor_checks.h"
@@ -12,7 +14,7 @@ namespace cp {
 std::string to_string(Llama3Mode mode) { return mode == Llama3Mode::TwoKernels ? "two kernels" : "fused"; }
 
 std::vector<int64_t> check_cu_seqlens(const torch::Tensor& cu_seqlens, int64_t total, int world) {
-  CP_CHECK(cu_seqlens.defined() && cu_seqlens.dim() == 1 && cu_seqlens.numel() >= 2 &&
+  CP_CHECK(cu_seqlens.defined() && cu_seqlens.dim() == 1 && cu_seqlens.numel() >= 1 &&
                (cu_seqlens.scalar_type() == torch::kLong || cu_seqlens.scalar_type() == torch::kInt),
            "cu_seqlens: expected int64 or int32 [documents + 1], got ",
            cu_seqlens.defined() ? cu_seqlens.sizes() : torch::IntArrayRef{}, " ",
@@ -35,6 +37,7 @@ torch::Tensor zigzag_varlen_positions(const torch::Tensor& cu_seqlens, int world
   CP_CHECK(world >= 1 && rank >= 0 && rank < world, "zigzag_varlen_positions: rank ", rank, " is not in a world of ",
            world);
   const std::vector<int64_t> cu = check_cu_seqlens(cu_seqlens, /*total: any*/ -1, world);
+  if (cu.size() == 1) return torch::empty({0}, torch::kLong);  // no documents, no tokens
   // BEGIN SOLUTION task 1: the varlen zig-zag layout
   // STUB: // TODO(lesson 08, task 1): for each document d (tokens cu[d] … cu[d+1]−1), chunks of
   // STUB: // c = length/(2N) tokens: chunk `rank`, then chunk 2N−1−rank. Concatenate over the documents.
@@ -57,13 +60,18 @@ torch::Tensor zigzag_varlen_shard(const torch::Tensor& full, const torch::Tensor
 
 torch::Tensor zigzag_varlen_unshard(const std::vector<torch::Tensor>& shards, const torch::Tensor& cu_seqlens) {
   CP_CHECK(!shards.empty(), "zigzag_varlen_unshard: no shards");
+  CP_CHECK(shards[0].defined() && shards[0].dim() >= 1, "zigzag_varlen_unshard: shards must be packed tensors [T/N, ...]");
   const int world = static_cast<int>(shards.size());
   std::vector<int64_t> shape = shards[0].sizes().vec();
   shape[0] *= world;
+  const int64_t total = check_cu_seqlens(cu_seqlens, /*total: any*/ -1, world).back();
+  CP_CHECK(total == shape[0], "zigzag_varlen_unshard: cu_seqlens must end at T = ", shape[0], " (", world,
+           " shards of ", shards[0].size(0), " rows), ends at ", total);
   torch::Tensor full = torch::empty(shape, shards[0].options());
   for (int r = 0; r < world; ++r) {
-    CP_CHECK(shards[r].sizes() == shards[0].sizes(), "zigzag_varlen_unshard: shard ", r, " has shape ",
-             shards[r].sizes(), ", shard 0 has ", shards[0].sizes());
+    CP_CHECK(shards[r].defined() && shards[r].sizes() == shards[0].sizes(), "zigzag_varlen_unshard: shard ", r,
+             " has shape ", shards[r].defined() ? shards[r].sizes() : torch::IntArrayRef{}, ", shard 0 has ",
+             shards[0].sizes());
     full.index_copy_(0, zigzag_varlen_positions(cu_seqlens, world, r).to(full.device()), shards[r]);
   }
   return full;
@@ -79,11 +87,28 @@ torch::Tensor as_block(const torch::Tensor& packed, int64_t begin, int64_t len) 
 /// The inverse: a block [1, H, len, D] (or its lse [1, H, len]) as packed rows [len, H, D] ([H, len]).
 torch::Tensor packed_rows(const torch::Tensor& block) { return block.squeeze(0).transpose(0, 1); }
 
-void check_segments(const VarlenSegments& s, int64_t tq, int64_t tk) {
+/// The varlen calls' checks: packed q, k, v (lesson 03's checks on [1, H, T, D] views) and
+/// segments that tile [0, Tq) and [0, Tk) with positions for every row.
+void check_varlen_inputs(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                         const VarlenSegments& s) {
+  for (const auto& [t, arg] : {std::pair{&q, "q"}, std::pair{&k, "k"}, std::pair{&v, "v"}})
+    CP_CHECK(t->defined() && t->dim() == 3, arg, ": expected a packed [T, H, D] tensor, got ",
+             t->defined() ? t->sizes() : torch::IntArrayRef{});
+  check_attention_inputs(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                         v.transpose(0, 1).unsqueeze(0));
+  const int64_t tq = q.size(0), tk = k.size(0);
   CP_CHECK(s.cu_q.size() == s.cu_k.size() && s.cu_q.size() >= 2 && s.cu_q.front() == 0 && s.cu_k.front() == 0,
            "segments: cu_q and cu_k must have the same number (≥ 2) of boundaries, starting at 0");
   CP_CHECK(s.cu_q.back() == tq && s.cu_k.back() == tk, "segments: cu_q must end at Tq = ", tq, " and cu_k at Tk = ", tk,
            "; they end at ", s.cu_q.back(), " and ", s.cu_k.back());
+  for (size_t i = 0; i + 1 < s.cu_q.size(); ++i)
+    CP_CHECK(s.cu_q[i] <= s.cu_q[i + 1] && s.cu_k[i] <= s.cu_k[i + 1], "segments: boundaries must not decrease; segment ",
+             i, " is q [", s.cu_q[i], ", ", s.cu_q[i + 1], "), k [", s.cu_k[i], ", ", s.cu_k[i + 1], ")");
+  for (const auto& [pos, n, arg] : {std::tuple{&s.q_positions, tq, "segments.q_positions"},
+                                    std::tuple{&s.k_positions, tk, "segments.k_positions"}})
+    CP_CHECK(pos->defined() && pos->dim() == 1 && pos->size(0) == n && pos->scalar_type() == torch::kLong, arg,
+             ": expected int64 [", n, "], got ", pos->defined() ? pos->sizes() : torch::IntArrayRef{}, " ",
+             pos->defined() ? pos->dtype() : caffe2::TypeMeta());
 }
 
 AttentionMask segment_mask(const VarlenSegments& s, size_t i) {
@@ -95,7 +120,7 @@ AttentionMask segment_mask(const VarlenSegments& s, size_t i) {
 
 AttnResult varlen_attention_forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                     const VarlenSegments& segments, std::optional<double> scale) {
-  check_segments(segments, q.size(0), k.size(0));
+  check_varlen_inputs(q, k, v, segments);
   AttnResult result{torch::empty_like(q), torch::empty({q.size(1), q.size(0)}, q.options().dtype(torch::kFloat))};
   for (size_t i = 0; i + 1 < segments.cu_q.size(); ++i) {
     const int64_t q0 = segments.cu_q[i], lq = segments.cu_q[i + 1] - q0;
@@ -111,7 +136,13 @@ AttnResult varlen_attention_forward(const torch::Tensor& q, const torch::Tensor&
 AttnGrads varlen_attention_backward(const torch::Tensor& dout, const torch::Tensor& q, const torch::Tensor& k,
                                     const torch::Tensor& v, const torch::Tensor& out, const torch::Tensor& lse,
                                     const VarlenSegments& segments, std::optional<double> scale) {
-  check_segments(segments, q.size(0), k.size(0));
+  check_varlen_inputs(q, k, v, segments);
+  for (const auto& [t, arg] : {std::pair{&dout, "dout"}, std::pair{&out, "out"}})
+    CP_CHECK(t->defined() && t->sizes() == q.sizes(), arg, ": expected q's shape ", q.sizes(), ", got ",
+             t->defined() ? t->sizes() : torch::IntArrayRef{});
+  CP_CHECK(lse.defined() && lse.dim() == 2 && lse.size(0) == q.size(1) && lse.size(1) == q.size(0),
+           "lse: expected [Hq, Tq] = [", q.size(1), ", ", q.size(0), "] from the forward, got ",
+           lse.defined() ? lse.sizes() : torch::IntArrayRef{});
   const auto f32 = q.options().dtype(torch::kFloat);
   AttnGrads grads{torch::empty(q.sizes(), f32), torch::empty(k.sizes(), f32), torch::empty(v.sizes(), f32)};
   for (size_t i = 0; i + 1 < segments.cu_q.size(); ++i) {
@@ -265,6 +296,8 @@ Llama3Result zigzag_llama3_attention_forward(Comm& comm, const torch::Tensor& q,
                                              const torch::Tensor& v, const torch::Tensor& cu_seqlens, Llama3Mode mode,
                                              const Llama3Options& options) {
   const std::vector<int64_t> cu = check_llama3_inputs(comm, q, k, v, cu_seqlens);
+  if (q.size(0) == 0)  // no tokens on any rank (checked above): nothing to gather or attend
+    return {torch::empty_like(q), torch::empty({q.size(1), 0}, q.options().dtype(torch::kFloat)), {}};
   const std::vector<Llama3Call> calls = plan_on(cu, comm.size(), comm.rank(), mode, q.device());
   Llama3Result result;
   const torch::Tensor positions = gathered_positions(cu_seqlens, comm.size(), q.device());
@@ -306,6 +339,8 @@ Llama3Grads zigzag_llama3_attention_backward(Comm& comm, const torch::Tensor& do
   CP_CHECK(lse.defined() && lse.dim() == 2 && lse.size(0) == q.size(1) && lse.size(1) == q.size(0),
            "lse: expected [Hq, T/N] = [", q.size(1), ", ", q.size(0), "] float32 from the forward, got ",
            lse.defined() ? lse.sizes() : torch::IntArrayRef{});
+  if (q.size(0) == 0)  // no tokens on any rank (checked above): no gradients to compute
+    return {torch::empty_like(q), torch::empty_like(k), torch::empty_like(v), {}};
   const std::vector<Llama3Call> calls = plan_on(cu, comm.size(), comm.rank(), mode, q.device());
   Llama3Grads result;
   const torch::Tensor positions = gathered_positions(cu_seqlens, comm.size(), q.device());

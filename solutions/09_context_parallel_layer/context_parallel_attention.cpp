@@ -36,16 +36,21 @@ Llama3Mode llama3_mode(Strategy s) { return s == Strategy::Llama3Fused ? Llama3M
 torch::Tensor to_packed(const torch::Tensor& t) {  // [B, H, S/N, D] → [B·S/N, H, D]
   return t.transpose(1, 2).reshape({t.size(0) * t.size(2), t.size(1), t.size(3)});
 }
-torch::Tensor from_packed(const torch::Tensor& p, int64_t batch) {  // inverse of to_packed
-  return p.view({batch, p.size(0) / batch, p.size(1), p.size(2)}).transpose(1, 2).contiguous();
+torch::Tensor from_packed(const torch::Tensor& p, int64_t batch, int64_t seq) {  // inverse of to_packed
+  return p.view({batch, seq, p.size(1), p.size(2)}).transpose(1, 2).contiguous();
 }
 torch::Tensor lse_to_packed(const torch::Tensor& lse) {  // [B, H, S/N] → [H, B·S/N]
   return lse.transpose(0, 1).reshape({lse.size(1), lse.size(0) * lse.size(2)});
 }
-torch::Tensor lse_from_packed(const torch::Tensor& lse, int64_t batch) {  // inverse of lse_to_packed
-  return lse.view({lse.size(0), batch, lse.size(1) / batch}).transpose(0, 1).contiguous();
+torch::Tensor lse_from_packed(const torch::Tensor& lse, int64_t batch, int64_t seq) {  // inverse of lse_to_packed
+  return lse.view({lse.size(0), batch, seq}).transpose(0, 1).contiguous();
 }
-torch::Tensor batch_cu_seqlens(int64_t batch, int64_t seq) { return torch::arange(batch + 1, torch::kLong) * seq; }
+// B documents of S tokens. No token at all (B = 0 or S = 0) is zero documents, [0]: empty input
+// is valid for every strategy, as it is for the ring.
+torch::Tensor batch_cu_seqlens(int64_t batch, int64_t seq) {
+  if (batch == 0 || seq == 0) return torch::zeros({1}, torch::kLong);
+  return torch::arange(batch + 1, torch::kLong) * seq;
+}
 
 int64_t ring_pairs(const RingStats& stats, int64_t batch) {
   int64_t pairs = 0;
@@ -57,13 +62,13 @@ int64_t ring_pairs(const RingStats& stats, int64_t batch) {
 
 StrategyForward strategy_forward(Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                  Strategy strategy, Trace* trace) {
-  CP_CHECK(q.defined() && q.dim() == 4, "q: expected [B, Hq, S/N, D]");
-  const int64_t batch = q.size(0);
+  check_attention_inputs(q, k, v);
+  const int64_t batch = q.size(0), seq = q.size(2);
   if (is_llama3(strategy)) {
-    const torch::Tensor cu = batch_cu_seqlens(batch, q.size(2) * comm.size());
+    const torch::Tensor cu = batch_cu_seqlens(batch, seq * comm.size());
     const Llama3Result r = zigzag_llama3_attention_forward(comm, to_packed(q), to_packed(k), to_packed(v), cu,
                                                            llama3_mode(strategy), {std::nullopt, trace});
-    return {from_packed(r.out, batch), lse_from_packed(r.lse, batch), {r.stats.pairs, r.stats.bytes_sent}};
+    return {from_packed(r.out, batch, seq), lse_from_packed(r.lse, batch, seq), {r.stats.pairs, r.stats.bytes_sent}};
   }
   const RingOptions options{true, std::nullopt, true, trace};
   const RingResult r = strategy == Strategy::Ring ? ring_attention_forward(comm, q, k, v, options)
@@ -74,14 +79,14 @@ StrategyForward strategy_forward(Comm& comm, const torch::Tensor& q, const torch
 StrategyBackward strategy_backward(Comm& comm, const torch::Tensor& dout, const torch::Tensor& q,
                                    const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& out,
                                    const torch::Tensor& lse, Strategy strategy, Trace* trace) {
-  CP_CHECK(q.defined() && q.dim() == 4, "q: expected [B, Hq, S/N, D]");
-  const int64_t batch = q.size(0);
+  check_attention_inputs(q, k, v);
+  const int64_t batch = q.size(0), seq = q.size(2);
   if (is_llama3(strategy)) {
-    const torch::Tensor cu = batch_cu_seqlens(batch, q.size(2) * comm.size());
+    const torch::Tensor cu = batch_cu_seqlens(batch, seq * comm.size());
     const Llama3Grads g = zigzag_llama3_attention_backward(comm, to_packed(dout), to_packed(q), to_packed(k),
                                                            to_packed(v), to_packed(out), lse_to_packed(lse), cu,
                                                            llama3_mode(strategy), {std::nullopt, trace});
-    return {from_packed(g.dq, batch), from_packed(g.dk, batch), from_packed(g.dv, batch),
+    return {from_packed(g.dq, batch, seq), from_packed(g.dk, batch, seq), from_packed(g.dv, batch, seq),
             {g.stats.pairs, g.stats.bytes_sent}};
   }
   const RingOptions options{true, std::nullopt, true, trace};
@@ -164,6 +169,9 @@ torch::Tensor ContextParallelAttentionImpl::forward(const torch::Tensor& x) {
   const int64_t e = options_.embed_dim, hq = options_.heads_q, hkv = options_.heads_kv, d = e / hq;
   CP_CHECK(x.defined() && x.dim() == 3 && x.size(2) == e, "x: expected [B, S/N, E = ", e, "], got ",
            x.defined() ? x.sizes() : torch::IntArrayRef{});
+  const torch::Tensor& w = q_proj->weight;
+  CP_CHECK(x.scalar_type() == w.scalar_type() && x.device() == w.device(), "x: expected the layer's dtype and device (",
+           w.dtype(), " on ", w.device(), "), got ", x.dtype(), " on ", x.device(), "; convert x or move the layer with .to()");
   // BEGIN SOLUTION task 2: the layer
   // STUB: // TODO(lesson 09, task 2): project x to q [B, S/N, Hq·D] and k, v [B, S/N, Hkv·D]; split the
   // STUB: // heads into [B, H, S/N, D]; context_parallel_attention with options_.strategy; merge the

@@ -26,8 +26,18 @@ void expect_error(const std::function<void()>& fn, const std::string& needle) {
     EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << "the error should mention '" << needle
                                                                       << "', got: " << e.what();
     return;
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "expected a cp::Error mentioning '" << needle << "', got another exception: " << e.what();
+    return;
   }
-  ADD_FAILURE() << "expected a cp::Error mentioning '" << needle << "'";
+  ADD_FAILURE() << "expected a cp::Error mentioning '" << needle << "', got no error";
+}
+
+void expect_errors(const std::vector<BadInput>& table) {
+  for (const BadInput& row : table) {
+    SCOPED_TRACE("bad input: " + row.input);
+    expect_error(row.call, row.message);
+  }
 }
 
 const std::vector<int>& local_world_sizes() {

@@ -25,8 +25,20 @@ const std::vector<int>& local_world_sizes();
 void for_each_world(const std::function<void(Comm&)>& body);
 
 /// Runs fn and expects a cp::Error whose message contains `needle` (a cp::NotImplemented passes
-/// through, so that a test of learner code still shows NOT STARTED).
+/// through, so that a test of learner code still shows NOT STARTED). Any other exception, or
+/// none, fails the test.
 void expect_error(const std::function<void()>& fn, const std::string& needle);
+
+/// One row of a bad-input table: what is wrong, the call that must reject it, and a fragment
+/// of the cp::Error message it must give.
+struct BadInput {
+  std::string input;
+  std::function<void()> call;
+  std::string message;
+};
+
+/// Runs every row of `table` with expect_error; a failure names the row's input.
+void expect_errors(const std::vector<BadInput>& table);
 
 /// True when this test program was started by mpirun (one process per rank).
 bool under_mpirun();
