@@ -1,11 +1,15 @@
 # Context Parallelism from Scratch — the commands of the course (a thin front of CMake).
 #   make test            set up, build, run every solution test, check skeletons, build docs
+#                        (the skeleton check ignores your code between the YOUR CODE markers)
 #   make setup-cuda-cpu  build CUDA on the CPU (chipStar + PoCL) from source: kernels run without a GPU
 #   make demo            the course demo (solutions)
 #   make lesson N=01     build and run the learner tests of one lesson
 #   make status          per-lesson table of the learner's progress
 #   make compare N=01    learner vs solution: results, errors, timings, diff of filled regions
 #   make sanitize        the solution tests under ASan + UBSan and TSan (build-address/, build-thread/)
+#   make skeletons       (maintainers) regenerate lessons/ from solutions/; files holding learner
+#                        code are first copied to .learner-backups/ (N=01: one lesson)
+#   make check-skeletons (maintainers, CI) fail unless lessons/ is exactly what make skeletons writes
 SHELL := /bin/bash
 BUILD ?= build
 CP_CUDA_ARCHS ?= 80;90
@@ -15,7 +19,9 @@ N ?=
 # where tools/status and tools/compare find the test programs
 export BUILD_DIR = $(BUILD)
 
-NN = $(shell printf '%02d' $$((10#$(N))) 2>/dev/null)
+# N as two digits (1 -> 01); empty when N is not a number of one or two digits
+NN = $(shell case '$(N)' in ([0-9]|[0-9][0-9]) printf '%02d' $$((10#$(N)));; esac)
+LESSONS = $$(ls lessons | tr '\n' ' ')
 CMAKE_ARGS = -G Ninja -DCP_CUDA_ARCHS="$(CP_CUDA_ARCHS)" $(if $(CMAKE_PREFIX_PATH),-DCMAKE_PREFIX_PATH="$(CMAKE_PREFIX_PATH)")
 
 .PHONY: setup setup-cuda-cpu configure build test demo lesson status compare docs bench skeletons check-skeletons gpu-check sanitize clean need-N
@@ -27,12 +33,13 @@ setup:
 setup-cuda-cpu:
 	tools/build-cuda-on-cpu $(if $(SRC),--src $(SRC)) $(if $(PREFIX),--prefix $(PREFIX))
 
+# --quiet: silent when everything is installed (make test and make demo have run make setup)
 $(BUILD)/build.ninja:
-	@tools/setup
+	@tools/setup --quiet
 	cmake -S . -B $(BUILD) $(CMAKE_ARGS)
 
 configure:
-	@tools/setup
+	@tools/setup --quiet
 	cmake -S . -B $(BUILD) $(CMAKE_ARGS)
 
 build: $(BUILD)/build.ninja
@@ -42,7 +49,7 @@ test: setup build
 	rm -f $(BUILD)/kernel-results/*.jsonl
 	cd $(BUILD) && ctest -L solution --output-on-failure
 	tools/kernel-report
-	tools/skeleton --check
+	tools/skeleton --check --lenient
 	cmake --build $(BUILD) --target docs
 
 demo: setup $(BUILD)/build.ninja
@@ -52,8 +59,10 @@ demo: setup $(BUILD)/build.ninja
 	@echo "Lessons you have solved (make status for details): $$(tools/status --solved | sed 's/^$$/none yet/')"
 
 need-N:
-	@test -n "$(N)" || { echo "usage: make $(MAKECMDGOALS) N=01   (lessons: $$(ls lessons | tr '\n' ' '))"; exit 2; }
-	@ls -d lessons/$(NN)_* >/dev/null 2>&1 || { echo "no lesson $(N); lessons: $$(ls lessons | tr '\n' ' ')"; exit 2; }
+	@[ -n "$(NN)" ] && ls -d lessons/$(NN)_* >/dev/null 2>&1 || { \
+	  if [ -z "$(N)" ]; then echo "usage: make $(firstword $(MAKECMDGOALS)) N=01"; \
+	  else echo "make $(firstword $(MAKECMDGOALS)): there is no lesson N=$(N)"; fi; \
+	  echo "lessons: $(LESSONS)"; exit 2; }
 
 lesson: need-N $(BUILD)/build.ninja
 	cmake --build $(BUILD) -j $(JOBS) --target lesson$(NN)_learner_test
@@ -63,8 +72,21 @@ lesson: need-N $(BUILD)/build.ninja
 	 echo "make compare N=$(NN) shows your code next to the solution; make status shows every lesson."; \
 	 exit $$status
 
+# Ninja's "[done/total] ..." lines as one line that rewrites itself on a terminal, else every 10 %.
+PROGRESS = awk -v tty=$$([ -t 1 ] && echo 1 || echo 0) '/^\[[0-9]+\/[0-9]+\]/ { \
+  split(substr($$1, 2), a, "/"); if (a[1] == 0) next; pct = int(100 * a[1] / a[2]); \
+  if (a[2] != total) { total = a[2]; next_pct = 0 } \
+  if (tty) { printf "\r\033[K  %s %3d%%  %s", $$1, pct, $$NF; fflush() } \
+  else if (pct >= next_pct) { print "  " $$1 " " pct "%"; fflush(); next_pct = pct - pct % 10 + 10 } } \
+  END { if (tty) printf "\r\033[K" }'
+
 status: $(BUILD)/build.ninja
-	@cmake --build $(BUILD) -j $(JOBS) --target $$(ls lessons | cut -c1-2 | sed 's/.*/lesson&_learner_test/') >/dev/null
+	@echo "status: building the learner tests of every lesson (the first build takes several minutes)"
+	@set -o pipefail; cmake --build $(BUILD) -j $(JOBS) --target $$(ls lessons | cut -c1-2 | sed 's/.*/lesson&_learner_test/') \
+	  2>&1 | tee $(BUILD)/status-build.log | $(PROGRESS) || { \
+	  echo "status: the build failed; its errors (all of it: $(BUILD)/status-build.log):"; \
+	  grep -m 20 -E 'FAILED:|error' $(BUILD)/status-build.log; \
+	  echo "make lesson N=NN builds one lesson and shows its compiler output"; exit 1; }
 	@tools/status
 
 compare: need-N $(BUILD)/build.ninja
@@ -81,7 +103,7 @@ bench: $(BUILD)/build.ninja
 	$(BUILD)/bin/exchange_bench --world 4
 
 skeletons:
-	tools/skeleton
+	tools/skeleton --write $(N)
 
 check-skeletons:
 	tools/skeleton --check

@@ -11,6 +11,7 @@
 #include <cstdio>
 
 #include "common/cli.h"
+#include "common/error.h"
 #include "common/world.h"
 #include "odd_even_exchange.h"
 
@@ -49,17 +50,21 @@ void bench(cp::Comm& comm, const std::string& backend) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  try {
+  return cp::run_main([&] {
     const cp::CommandLine cli(argc, argv, "Latency and bandwidth of the ring exchange strategies (lesson 06).",
                               {{"--backend", "local", "local (threads) or mpi (under mpirun)"},
                                {"--world", "4", "ranks of the local backend"}});
     if (cli.help_requested()) return 0;
     torch::set_num_threads(1);
     const cp::Backend backend = cp::parse_backend(cli.get("--backend"));
-    cp::run_world(backend, cli.get_int("--world"), [&](cp::Comm& comm) { bench(comm, cli.get("--backend")); });
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;
-  }
-  return 0;
+    CP_CHECK(backend != cp::Backend::Local || cli.get_int("--world") >= 2, "--world: a ring exchange needs at least 2 "
+             "ranks, got ", cli.get_int("--world"));
+    cp::run_world(backend, cli.get_int("--world"), [&](cp::Comm& comm) {
+      if (comm.size() < 2)
+        throw cp::ErrorOnEveryRank(cp::detail::concat("a ring exchange needs at least 2 ranks, got ", comm.size()),
+                                   __FILE__, __LINE__);
+      bench(comm, cli.get("--backend"));
+    });
+    return 0;
+  });
 }

@@ -31,6 +31,14 @@ class DeadlockError : public Error {
   using Error::Error;
 };
 
+/// An error that every rank raises at the same call, having checked the same thing together
+/// (check_same_on_every_rank in common/tensor_checks.h). Nobody is left waiting, so run_main()
+/// (common/world.h) lets every rank report it and exit instead of aborting the world.
+class ErrorOnEveryRank : public Error {
+ public:
+  using Error::Error;
+};
+
 /// Thrown on the other ranks of a local world after one rank failed, to release them.
 class WorldAborted : public Error {
  public:

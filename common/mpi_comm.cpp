@@ -1,13 +1,27 @@
 // The `mpi` backend: one process per rank under mpirun.
 //
 // Host tensors are passed to MPI directly. Device tensors are staged through host memory,
-// because Debian's Open MPI is not CUDA-aware. Blocking send is MPI_Ssend (synchronous mode:
+// because Debian's Open MPI is not CUDA-aware. Blocking send is synchronous mode (MPI_Issend:
 // it completes only when the receive has started), so a naive ring deadlocks here exactly as on
 // the local backend, whatever the message size; MPI_Send would "work" for small messages
 // through the eager protocol and hang for large ones (lesson 06).
+//
+// Watchdog: every blocking point-to-point call (send, recv, Request::wait) polls its
+// non-blocking MPI requests (MPI_Test, MPI_Iprobe) instead of blocking inside MPI, and aborts
+// the world with a message naming this rank, the call and its peers when it has not completed
+// after CP_MPI_TIMEOUT_S seconds (see mpi_world() in common/world.h). Collectives stay blocking.
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
 #include "common/device.h"
 #include "common/error.h"
 #include "common/mpi_session.h"
+#include "common/tensor_checks.h"
 #include "common/world.h"
 
 namespace cp {
@@ -43,6 +57,66 @@ torch::Tensor host_view(const torch::Tensor& t, bool copy_contents) {
   return host;
 }
 
+using Clock = std::chrono::steady_clock;
+
+/// The watchdog of one blocking call: poll() is called between non-blocking MPI tests and
+/// aborts the world once `timeout_s` has passed since the call began (never when <= 0).
+class Deadline {
+ public:
+  Deadline(double timeout_s, int rank) : timeout_s_(timeout_s), rank_(rank) {}
+
+  /// `what()` names the call and its peers ("send→2"); built only when the time is up.
+  template <typename What>
+  void poll(const What& what) const {
+    if (timeout_s_ > 0 && std::chrono::duration<double>(Clock::now() - start_).count() >= timeout_s_)
+      abort_world(what());
+    // Yield, never sleep: a large message moves only while both sides call into MPI (Open
+    // MPI's own blocking calls spin the same way).
+    std::this_thread::yield();
+  }
+
+ private:
+  [[noreturn]] void abort_world(const std::string& what) const {
+    std::fflush(stdout);
+    std::fprintf(stderr,
+                 "rank %d: %s has not completed after %g s: every rank may be waiting on another (a deadlock, "
+                 "lesson 06), or a peer failed. Aborting the world. (CP_MPI_TIMEOUT_S sets the timeout.)\n",
+                 rank_, what.c_str(), timeout_s_);
+    std::fflush(stderr);
+    MPI_Abort(MPI_COMM_WORLD, 2);
+    std::abort();  // MPI_Abort does not return
+  }
+
+  double timeout_s_;
+  int rank_;
+  Clock::time_point start_ = Clock::now();
+};
+
+/// Reads CP_MPI_TIMEOUT_S (seconds; 0 disables the watchdog), 20 when unset.
+double watchdog_timeout_s() {
+  const char* text = std::getenv("CP_MPI_TIMEOUT_S");
+  if (text == nullptr || *text == '\0') return 20.0;
+  char* end = nullptr;
+  const double value = std::strtod(text, &end);
+  CP_CHECK(end != text && *end == '\0' && value == value, "CP_MPI_TIMEOUT_S: expected a number of seconds, got '",
+           text, "'");
+  return value;
+}
+
+/// Keeps `t`'s memory allocated until the process ends: the buffer of an operation that MPI
+/// may still read or write (see ~MpiBatch). Never freed, on purpose: a leak bounded by what was
+/// abandoned, instead of MPI writing into memory that the allocator handed to someone else.
+void keep_until_exit(torch::Tensor t) {
+  static std::mutex* mutex = new std::mutex;
+  static std::vector<torch::Tensor>* kept = new std::vector<torch::Tensor>;
+  std::lock_guard<std::mutex> lock(*mutex);
+  kept->push_back(std::move(t));
+}
+
+std::string edge(bool is_recv, int peer) { return (is_recv ? "recv←" : "send→") + std::to_string(peer); }
+
+/// A batch in flight. It owns its buffers: `user` and `staging` are tensor handles, so the
+/// caller's memory (and the pinned copy of a device tensor) lives as long as the batch.
 class MpiBatch : public detail::PendingBatch {
  public:
   struct Entry {
@@ -50,28 +124,35 @@ class MpiBatch : public detail::PendingBatch {
     torch::Tensor staging;  // what MPI reads/writes (== user on the CPU)
     bool is_recv;
     int peer;
+    MPI_Request request = MPI_REQUEST_NULL;
+    bool done = false;       // completed (or failed): MPI no longer touches the buffer
+    int error = MPI_SUCCESS;
+    MPI_Status status{};
   };
 
+  MpiBatch(int rank, double timeout_s) : rank_(rank), timeout_s_(timeout_s) {}
+
   void add(MPI_Request request, Entry entry) {
-    requests_.push_back(request);
+    entry.request = request;
     entries_.push_back(std::move(entry));
   }
 
   void wait() override {
-    std::vector<MPI_Status> statuses(requests_.size());
-    const int status = MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), statuses.data());
-    for (size_t i = 0; i < entries_.size() && status == MPI_ERR_IN_STATUS; ++i) {
-      const Entry& e = entries_[i];
-      CP_CHECK(statuses[i].MPI_ERROR != MPI_ERR_TRUNCATE, "send/recv mismatch: rank ", e.peer,
-               " sent more than the ", byte_count(e.staging), " bytes of the receive buffer (",
-               e.user.numel(), " ", e.user.dtype(), " elements)");
+    const Deadline deadline(timeout_s_, rank_);
+    while (!test_all()) deadline.poll([&] { return describe(); });
+    for (const Entry& e : entries_) {
+      if (e.error == MPI_SUCCESS) continue;
+      int error_class = e.error;
+      MPI_Error_class(e.error, &error_class);
+      CP_CHECK(error_class != MPI_ERR_TRUNCATE, "send/recv mismatch: rank ", e.peer, " sent more than the ",
+               byte_count(e.staging), " bytes of the receive buffer (", e.user.numel(), " ", e.user.dtype(),
+               " elements)");
+      MPI_CHECK(e.error);
     }
-    MPI_CHECK(status);
-    for (size_t i = 0; i < entries_.size(); ++i) {
-      const Entry& e = entries_[i];
+    for (Entry& e : entries_) {
       if (!e.is_recv) continue;
       int received = 0;
-      MPI_CHECK(MPI_Get_count(&statuses[i], MPI_BYTE, &received));
+      MPI_CHECK(MPI_Get_count(&e.status, MPI_BYTE, &received));
       CP_CHECK(received == byte_count(e.staging), "send/recv mismatch: received ", received,
                " bytes from rank ", e.peer, " into a buffer of ", byte_count(e.staging),
                " bytes (", e.user.numel(), " ", e.user.dtype(), " elements)");
@@ -79,8 +160,76 @@ class MpiBatch : public detail::PendingBatch {
     }
   }
 
+  /// A batch destroyed before it completed: its owner threw between start() and wait(), or
+  /// start() itself failed after posting some operations. Freeing the buffers now would let MPI
+  /// write a late message into freed memory (even inside MPI_Finalize). So:
+  ///  - pending receives are cancelled (MPI_Cancel). An unmatched receive is then complete at
+  ///    once and its buffer untouched; a receive already matched completes when its data is in.
+  ///    Either way a later receive from that peer gets the peer's next message, as if this one
+  ///    had never been posted.
+  ///  - sends cannot be cancelled reliably (MPI 4 deprecates it; Open MPI ignores it): they
+  ///    complete when their receive starts.
+  ///  - for a short grace period MPI_Test drives both to completion. What is still pending then
+  ///    (a send nobody receives, a matched receive whose sender is gone) is released with
+  ///    MPI_Request_free, and its buffer is kept allocated until the process exits
+  ///    (keep_until_exit), so that MPI can never read or write freed memory.
+  ~MpiBatch() override {
+    if (all_done()) return;
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!finalized) {
+      for (Entry& e : entries_)
+        if (!e.done && e.is_recv) MPI_Cancel(&e.request);  // no throwing from a destructor
+      const auto grace_end = Clock::now() + std::chrono::milliseconds(200);
+      while (!test_all() && Clock::now() < grace_end) std::this_thread::yield();
+    }
+    for (Entry& e : entries_) {
+      if (e.done) continue;
+      if (!finalized && e.request != MPI_REQUEST_NULL) MPI_Request_free(&e.request);
+      keep_until_exit(e.staging);
+      keep_until_exit(e.user);
+    }
+  }
+
  private:
-  std::vector<MPI_Request> requests_;
+  bool all_done() const {
+    for (const Entry& e : entries_)
+      if (!e.done) return false;
+    return true;
+  }
+
+  /// One MPI_Test of every pending operation; true when all are done.
+  bool test_all() {
+    bool all = true;
+    for (Entry& e : entries_) {
+      if (e.done) continue;
+      int flag = 0;
+      const int status = MPI_Test(&e.request, &flag, &e.status);
+      if (status != MPI_SUCCESS) {
+        e.done = true;  // completed with an error (Open MPI frees the request)
+        e.error = status;
+        e.request = MPI_REQUEST_NULL;
+      } else if (flag) {
+        e.done = true;
+      } else {
+        all = false;
+      }
+    }
+    return all;
+  }
+
+  /// "Request::wait of a batch (send→2, recv←0; pending: send→2)".
+  std::string describe() const {
+    std::string all, pending;
+    for (const Entry& e : entries_) {
+      all += (all.empty() ? "" : ", ") + edge(e.is_recv, e.peer);
+      if (!e.done) pending += (pending.empty() ? "" : ", ") + edge(e.is_recv, e.peer);
+    }
+    return "Request::wait of a batch (" + all + "; pending: " + pending + ")";
+  }
+
+  int rank_;
+  double timeout_s_;
   std::vector<Entry> entries_;
 };
 
@@ -90,6 +239,7 @@ class MpiComm : public Comm {
     MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
     MPI_CHECK(MPI_Comm_size(comm_, &size_));
     set_this_rank(rank_);
+    timeout_s_ = watchdog_timeout_s();
   }
 
   ~MpiComm() override { MPI_Comm_free(&comm_); }
@@ -101,31 +251,46 @@ class MpiComm : public Comm {
   void send(const torch::Tensor& tensor, int peer) override {
     check_peer(peer, "send");
     check_buffer(tensor, "send");
+    const Deadline deadline(timeout_s_, rank_);
     const torch::Tensor host = host_view(tensor, true);
-    MPI_CHECK(MPI_Ssend(host.data_ptr(), byte_count(host), MPI_BYTE, peer, kTag, comm_));
+    // Synchronous mode (rendezvous): complete only once the receive has started.
+    MPI_Request request;
+    MPI_CHECK(MPI_Issend(host.data_ptr(), byte_count(host), MPI_BYTE, peer, kTag, comm_, &request));
+    wait_for(request, host, deadline, [&] { return edge(false, peer); });
   }
 
   void recv(torch::Tensor& tensor, int peer) override {
     check_peer(peer, "recv");
     check_buffer(tensor, "recv");
+    const Deadline deadline(timeout_s_, rank_);
     // Probe first so that a size mismatch is a clear error, not a truncation.
     MPI_Status status;
-    int incoming = 0;
-    MPI_CHECK(MPI_Probe(peer, kTag, comm_, &status));
+    int arrived = 0, incoming = 0;
+    while (true) {
+      MPI_CHECK(MPI_Iprobe(peer, kTag, comm_, &arrived, &status));
+      if (arrived) break;
+      deadline.poll([&] { return edge(true, peer); });
+    }
     MPI_CHECK(MPI_Get_count(&status, MPI_BYTE, &incoming));
     CP_CHECK(incoming == byte_count(tensor), "send/recv mismatch: rank ", peer, " sends ", incoming,
              " bytes, but the receive buffer has ", byte_count(tensor), " bytes (", tensor.numel(),
              " ", tensor.dtype(), " elements)");
     torch::Tensor host = host_view(tensor, false);
-    MPI_CHECK(MPI_Recv(host.data_ptr(), byte_count(host), MPI_BYTE, peer, kTag, comm_, MPI_STATUS_IGNORE));
+    MPI_Request request;
+    MPI_CHECK(MPI_Irecv(host.data_ptr(), byte_count(host), MPI_BYTE, peer, kTag, comm_, &request));
+    wait_for(request, host, deadline, [&] { return edge(true, peer); });
     if (host.data_ptr() != tensor.data_ptr()) tensor.copy_(host);
   }
 
   Request start(const std::vector<P2POp>& ops) override {
-    auto batch = std::make_unique<MpiBatch>();
-    for (const P2POp& op : ops) {
+    for (const P2POp& op : ops) {  // every check before anything is posted
       check_peer(op.peer, "start");
       check_buffer(op.tensor, "start");
+      byte_count(op.tensor);
+    }
+    // If posting fails half-way, the batch's destructor takes care of what was posted.
+    auto batch = std::make_unique<MpiBatch>(rank_, timeout_s_);
+    for (const P2POp& op : ops) {
       const bool is_recv = op.kind == P2POp::Kind::Recv;
       torch::Tensor staging = host_view(op.tensor, !is_recv);
       MPI_Request request;
@@ -140,7 +305,7 @@ class MpiComm : public Comm {
 
   torch::Tensor all_gather(const torch::Tensor& tensor) override {
     check_buffer(tensor, "all_gather");
-    check_same_numel(tensor, "all_gather");
+    check_same_on_every_rank(*this, tensor, "all_gather");
     const torch::Tensor host = host_view(tensor, true);
     std::vector<int64_t> shape = tensor.sizes().vec();
     if (shape.empty()) shape.push_back(1);
@@ -153,7 +318,7 @@ class MpiComm : public Comm {
 
   torch::Tensor reduce_scatter(const torch::Tensor& tensor) override {
     check_buffer(tensor, "reduce_scatter");
-    check_same_numel(tensor, "reduce_scatter");
+    check_same_on_every_rank(*this, tensor, "reduce_scatter");
     CP_CHECK(tensor.dim() >= 1 && tensor.size(0) % size_ == 0,
              "reduce_scatter: dim 0 must be divisible by the world size ", size_, ", got shape ", tensor.sizes());
     const torch::Tensor host = host_view(tensor, true);
@@ -167,7 +332,7 @@ class MpiComm : public Comm {
 
   void all_reduce(torch::Tensor& tensor, ReduceOp op) override {
     check_buffer(tensor, "all_reduce");
-    check_same_numel(tensor, "all_reduce");
+    check_same_on_every_rank(*this, tensor, "all_reduce");
     torch::Tensor host = host_view(tensor, true);
     MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, host.data_ptr(), static_cast<int>(host.numel()), reduction_type(tensor),
                             op == ReduceOp::Sum ? MPI_SUM : MPI_MAX, comm_));
@@ -177,7 +342,7 @@ class MpiComm : public Comm {
   void broadcast(torch::Tensor& tensor, int root) override {
     check_buffer(tensor, "broadcast");
     check_peer(root, "broadcast (root)");
-    check_same_numel(tensor, "broadcast");
+    check_same_on_every_rank(*this, tensor, "broadcast");
     torch::Tensor host = host_view(tensor, rank_ == root);
     MPI_CHECK(MPI_Bcast(host.data_ptr(), byte_count(host), MPI_BYTE, root, comm_));
     if (host.data_ptr() != tensor.data_ptr()) tensor.copy_(host);
@@ -186,14 +351,26 @@ class MpiComm : public Comm {
   void barrier() override { MPI_CHECK(MPI_Barrier(comm_)); }
 
  private:
-  void check_same_numel(const torch::Tensor& tensor, const char* what) {
-    detail::check_same_numel(comm_, tensor.numel(), what);
+  /// Polls one request of a blocking call until it completes (the watchdog runs meanwhile).
+  template <typename What>
+  static void wait_for(MPI_Request& request, const torch::Tensor& buffer, const Deadline& deadline, const What& what) {
+    while (true) {
+      int done = 0;
+      const int status = MPI_Test(&request, &done, MPI_STATUS_IGNORE);
+      if (status != MPI_SUCCESS) {
+        keep_until_exit(buffer);  // whatever state MPI left the request in, never free its buffer
+        MPI_CHECK(status);
+      }
+      if (done) return;
+      deadline.poll(what);
+    }
   }
 
   std::shared_ptr<detail::MpiSession> session_;  // declared first: outlives comm_
   MPI_Comm comm_;
   int rank_ = 0;
   int size_ = 1;
+  double timeout_s_ = 20;  // CP_MPI_TIMEOUT_S
 };
 
 }  // namespace

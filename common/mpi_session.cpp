@@ -39,11 +39,4 @@ MPI_Comm duplicate_world() {
   return comm;
 }
 
-void check_same_numel(MPI_Comm comm, int64_t numel, const char* what) {
-  int64_t range[2] = {numel, -numel};  // the max of both is (max, -min)
-  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, range, 2, MPI_INT64_T, MPI_MAX, comm));
-  CP_CHECK(range[0] == -range[1], what, ": every rank must pass the same number of elements; they range from ",
-           -range[1], " to ", range[0]);
-}
-
 }  // namespace cp::detail

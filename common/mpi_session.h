@@ -41,8 +41,4 @@ class MpiSession {
 /// of aborting inside MPI.
 MPI_Comm duplicate_world();
 
-/// Collectives whose ranks pass different sizes are undefined behaviour in MPI and NCCL (often
-/// a hang); one small all-reduce turns that into the same clear error on every rank.
-void check_same_numel(MPI_Comm comm, int64_t numel, const char* what);
-
 }  // namespace cp::detail

@@ -16,6 +16,7 @@
 #include "common/device.h"
 #include "common/error.h"
 #include "common/mpi_session.h"
+#include "common/tensor_checks.h"
 #include "common/world.h"
 
 /// Throws cp::Error (with rank, file, line) when an NCCL call fails.
@@ -118,7 +119,7 @@ class NcclComm : public Comm {
 
   torch::Tensor all_gather(const torch::Tensor& tensor) override {
     check_device_buffer(tensor, "all_gather");
-    detail::check_same_numel(mpi_, tensor.numel(), "all_gather");
+    check_same_on_every_rank(*this, tensor, "all_gather");
     std::vector<int64_t> shape = tensor.sizes().vec();
     if (shape.empty()) shape.push_back(1);
     shape[0] *= size_;
@@ -130,7 +131,7 @@ class NcclComm : public Comm {
 
   torch::Tensor reduce_scatter(const torch::Tensor& tensor) override {
     check_device_buffer(tensor, "reduce_scatter");
-    detail::check_same_numel(mpi_, tensor.numel(), "reduce_scatter");
+    check_same_on_every_rank(*this, tensor, "reduce_scatter");
     CP_CHECK(tensor.dim() >= 1 && tensor.size(0) % size_ == 0,
              "reduce_scatter: dim 0 must be divisible by the world size ", size_, ", got shape ", tensor.sizes());
     std::vector<int64_t> shape = tensor.sizes().vec();
@@ -143,7 +144,7 @@ class NcclComm : public Comm {
 
   void all_reduce(torch::Tensor& tensor, ReduceOp op) override {
     check_device_buffer(tensor, "all_reduce");
-    detail::check_same_numel(mpi_, tensor.numel(), "all_reduce");
+    check_same_on_every_rank(*this, tensor, "all_reduce");
     NCCL_CHECK(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), nccl_type(tensor),
                              op == ReduceOp::Sum ? ncclSum : ncclMax, nccl_, current_cuda_stream()));
   }
@@ -151,7 +152,7 @@ class NcclComm : public Comm {
   void broadcast(torch::Tensor& tensor, int root) override {
     check_device_buffer(tensor, "broadcast");
     check_peer(root, "broadcast (root)");
-    detail::check_same_numel(mpi_, tensor.numel(), "broadcast");
+    check_same_on_every_rank(*this, tensor, "broadcast");
     NCCL_CHECK(ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), nccl_type(tensor), root, nccl_,
                              current_cuda_stream()));
   }

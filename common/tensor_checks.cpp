@@ -56,9 +56,12 @@ void check_same_on_every_rank(Comm& comm, const torch::Tensor& t, const std::str
     const torch::Tensor row = theirs[peer].cpu();
     if (torch::equal(row, descriptor.cpu())) continue;
     const int64_t* f = row.data_ptr<int64_t>();
-    CP_FAIL(arg, ": every rank must pass the same shape and dtype; rank ", comm.rank(), " has ", t.sizes(), " ",
-            t.dtype(), ", rank ", peer, " has ", torch::IntArrayRef(f + 1, f[0]), " ",
-            c10::ScalarType(f[kFields - 1]), hint.empty() ? "" : ". ", hint);
+    // Every rank differs from some other rank, so every rank throws here: nobody waits.
+    throw ErrorOnEveryRank(detail::concat(arg, ": every rank must pass the same shape and dtype; rank ", comm.rank(),
+                                          " has ", t.sizes(), " ", t.dtype(), ", rank ", peer, " has ",
+                                          torch::IntArrayRef(f + 1, f[0]), " ", c10::ScalarType(f[kFields - 1]),
+                                          hint.empty() ? "" : ". ", hint),
+                           __FILE__, __LINE__);
   }
 }
 

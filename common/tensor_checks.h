@@ -21,8 +21,8 @@ void check_defined(const torch::Tensor& t, const char* arg, int64_t min_dim = 0)
 /// (the course's kernels compute in float32 whatever the input).
 void check_float_dtype(const torch::Tensor& t, const char* arg);
 
-/// Every rank of `comm` passes a tensor of t's shape and dtype, or every rank throws the same
-/// kind of cp::Error naming `arg`, both ranks and both shapes (followed by `hint`, e.g. "Is S
+/// Every rank of `comm` passes a tensor of t's shape and dtype, or every rank throws a
+/// cp::ErrorOnEveryRank naming `arg`, both ranks and both shapes (followed by `hint`, e.g. "Is S
 /// divisible by N?"). A collective call: every rank must make it. The check moves a small fixed-
 /// size descriptor by point-to-point messages, so that the collectives themselves can use it:
 /// ranks that disagree on a shape would otherwise hang (MPI, NCCL) or reinterpret rows.

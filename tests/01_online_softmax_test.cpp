@@ -21,6 +21,7 @@ namespace cp {
 namespace {
 
 using testing::all_close;
+using testing::all_close_or_nan;
 using testing::expect_error;
 using testing::oracle_logsumexp;
 using testing::oracle_softmax;
@@ -61,6 +62,26 @@ std::vector<float> random_values(size_t n, uint32_t seed) {
   for (float& x : xs) x = normal(gen);
   if (n > 3) xs[n / 3] = 60.0f;  // a late, large maximum forces rescaling
   return xs;
+}
+
+/// Rows with NaN, +inf and -inf among finite values, n >= 40 columns: what each must give is
+/// the float64 reference's answer (torch): NaN anywhere -> softmax and lse NaN; +inf (no NaN) ->
+/// lse +inf and softmax NaN (inf/inf); -inf entries are masked; an all -inf row -> zeros, -inf.
+torch::Tensor non_finite_rows(int64_t n, uint64_t seed) {
+  torch::Tensor x = random_with_outliers({12, n}, seed, 3.0, 0.0);
+  x[0][5] = NAN;                                          // one NaN
+  x[1][n - 1] = NAN;                                      // NaN in the last lane's last value
+  x[2][7] = INFINITY;                                     // one +inf
+  x[3][1] = INFINITY, x[3][n - 2] = INFINITY;             // two +inf: inf - inf inside the sum
+  x[4][3] = -INFINITY;                                    // a masked entry: the row stays finite
+  x[5].fill_(-INFINITY), x[5][9] = NAN;                   // NaN among -inf only
+  x[6].fill_(-INFINITY);                                  // nothing visible: zeros and -inf
+  x[7][2] = -INFINITY, x[7][33 % n] = INFINITY;           // -inf and +inf
+  x[8][4] = INFINITY, x[8][36] = NAN;                     // +inf and NaN: NaN wins
+  x[9][0] = NAN, x[9][1] = INFINITY;                      // NaN before +inf
+  x[10].fill_(NAN);                                       // NaN only
+  // row 11: finite, the control
+  return x;
 }
 
 // ── Task 1: the state ────────────────────────────────────────────────────────────────────────
@@ -114,6 +135,37 @@ CP_TEST(Lesson01, Task1_EmptyAndMinusInfinityStatesMergeWithoutNan) {
   EXPECT_FALSE(std::isnan(merge(empty, empty).l));
 }
 
+CP_TEST(Lesson01, Task1_NanAndPlusInfAreNeverDropped) {
+  // Never a "masked" NaN: a NaN value makes the whole set NaN, in add() and in merge(), whatever
+  // the order; +inf gives logsumexp +inf (torch.logsumexp's answer), NaN beats +inf.
+  auto of = [](std::initializer_list<float> xs) {
+    SoftmaxState s = SoftmaxState::empty();
+    for (float x : xs) s.add(x);
+    return s;
+  };
+  const SoftmaxState empty = SoftmaxState::empty(), nan = of({NAN}), three = of({3.0f}), inf = of({INFINITY});
+  for (const auto& [state, name] : {std::pair{of({NAN}), "{NaN}"}, {of({1.0f, NAN, 2.0f}), "{1, NaN, 2}"},
+                                    {of({5.0f, NAN}), "{5, NaN}"}, {of({NAN, 5.0f}), "{NaN, 5}"},
+                                    {of({-INFINITY, NAN}), "{-inf, NaN}"}, {of({INFINITY, NAN}), "{+inf, NaN}"},
+                                    {of({NAN, INFINITY}), "{NaN, +inf}"}, {merge(empty, nan), "empty + {NaN}"},
+                                    {merge(nan, empty), "{NaN} + empty"}, {merge(three, nan), "{3} + {NaN}"},
+                                    {merge(nan, three), "{NaN} + {3}"}, {merge(inf, nan), "{+inf} + {NaN}"},
+                                    {merge(nan, inf), "{NaN} + {+inf}"}}) {
+    EXPECT_TRUE(std::isnan(state.logsumexp())) << name << ": got " << state.logsumexp();
+    EXPECT_TRUE(std::isnan(state.m)) << name << ": the maximum of a set with NaN is NaN, got " << state.m;
+  }
+  for (const auto& [state, name] : {std::pair{of({INFINITY}), "{+inf}"}, {of({1.0f, INFINITY}), "{1, +inf}"},
+                                    {of({INFINITY, 1.0f}), "{+inf, 1}"}, {of({INFINITY, INFINITY}), "{+inf, +inf}"},
+                                    {of({-INFINITY, INFINITY}), "{-inf, +inf}"}, {merge(inf, three), "{+inf} + {3}"},
+                                    {merge(three, inf), "{3} + {+inf}"}, {merge(inf, inf), "{+inf} + {+inf}"},
+                                    {merge(empty, inf), "empty + {+inf}"}}) {
+    EXPECT_EQ(state.logsumexp(), INFINITY) << name;
+    EXPECT_EQ(state.m, INFINITY) << name;
+    // exp(x - m) / l for any x of the set is inf/inf or 0/inf...: the softmax is NaN, as torch's.
+    EXPECT_TRUE(std::isnan(std::exp(3.0f - state.m) / state.l)) << name << ": l = " << state.l;
+  }
+}
+
 // ── Task 2: safe softmax on the CPU ───────────────────────────────────────────────────────────
 
 CP_TEST(Lesson01, Task2_SafeSoftmaxMatchesTorch) {
@@ -129,6 +181,18 @@ CP_TEST(Lesson01, Task2_SafeSoftmaxMatchesTorch) {
 CP_TEST(Lesson01, Task2_SafeSoftmaxOfAnAllMinusInfRowIsZero) {
   const torch::Tensor x = torch::tensor({{-INFINITY, -INFINITY, -INFINITY}, {0.0f, -INFINITY, 1.0f}});
   EXPECT_TRUE(all_close(safe_softmax(x), oracle_softmax(x), "safe_softmax with -inf rows"));
+}
+
+CP_TEST(Lesson01, Task2_NanAndInfFollowTheReference) {
+  for (int64_t n : {40, 100}) {
+    const torch::Tensor x = non_finite_rows(n, 50 + n);
+    const torch::Tensor expected = oracle_softmax(x);
+    ASSERT_TRUE(expected[0].isnan().all().item<bool>() && expected[2].isnan().all().item<bool>());
+    ASSERT_FALSE(expected[4].isnan().any().item<bool>());
+    for (auto dtype : {torch::kFloat, torch::kDouble})
+      EXPECT_TRUE(all_close_or_nan(safe_softmax(x.to(dtype)), expected, "safe_softmax n=" + std::to_string(n),
+                                   {"row", "j"}));
+  }
 }
 
 // ── Task 3: online softmax and logsumexp on the CPU ───────────────────────────────────────────
@@ -168,6 +232,20 @@ CP_TEST(Lesson01, Task3_AllMinusInfRowGivesZerosAndMinusInfNeverNan) {
   EXPECT_FALSE(y.isnan().any().item<bool>());
   EXPECT_TRUE(all_close(y, oracle_softmax(x), "online_softmax"));
   EXPECT_EQ(row_logsumexp(x)[1].item<float>(), -INFINITY);
+}
+
+CP_TEST(Lesson01, Task3_NanAndInfFollowTheReference) {
+  for (int64_t n : {40, 100, 1000}) {  // the NaN and inf land in different lanes of the 32 states
+    const torch::Tensor x = non_finite_rows(n, 60 + n);
+    const std::string what = " n=" + std::to_string(n);
+    const torch::Tensor lse = oracle_logsumexp(x);
+    ASSERT_TRUE(std::isnan(lse[0].item<double>()) && lse[2].item<double>() == INFINITY);
+    for (auto dtype : {torch::kFloat, torch::kDouble}) {
+      EXPECT_TRUE(all_close_or_nan(online_softmax(x.to(dtype)), oracle_softmax(x), "online_softmax" + what,
+                                   {"row", "j"}));
+      EXPECT_TRUE(all_close_or_nan(row_logsumexp(x.to(dtype)), lse, "row_logsumexp" + what, {"row"}));
+    }
+  }
 }
 
 CP_TEST(Lesson01, Task3_LeadingDimsAndNonContiguousInput) {
@@ -314,6 +392,22 @@ CP_TEST(Lesson01Kernels, Task4_EachOutputCanBeLeftOut) {
   const torch::Tensor x = random_with_outliers({6, 100}, 31);
   check_kernel(x, "y only", Outputs::YOnly);
   check_kernel(x, "lse only", Outputs::LseOnly);
+}
+CP_TEST(Lesson01Kernels, Task4_NanAndInfFollowTheReference) {
+  CP_REQUIRE_CUDA_RUNTIME();
+  for (int64_t n : {40, 100}) {
+    const torch::Tensor x = non_finite_rows(n, 70 + n);
+    for (auto dtype : {torch::kFloat, torch::kBFloat16}) {
+      const torch::Tensor xd = x.to(dtype);
+      TestStream stream;
+      DeviceBuffer x_dev(xd), y_dev({x.size(0), n}, dtype), lse_dev({x.size(0)}, torch::kFloat);
+      launch_online_softmax(x_dev.get(), y_dev.get(), lse_dev.as<float>(), x.size(0), n, kernel_dtype(xd, "x"),
+                            stream.get());
+      const std::string what = " (x " + std::string(c10::toString(dtype)) + " n=" + std::to_string(n) + ")";
+      EXPECT_TRUE(all_close_or_nan(y_dev.to_host(stream.get()), oracle_softmax(xd), "y" + what, {"row", "j"}));
+      EXPECT_TRUE(all_close_or_nan(lse_dev.to_host(stream.get()), oracle_logsumexp(xd), "lse" + what, {"row"}));
+    }
+  }
 }
 #else
 CP_KERNEL_TESTS_NEED_CUDA(Lesson01Kernels)

@@ -20,6 +20,7 @@ namespace cp {
 namespace {
 
 using testing::all_close;
+using testing::all_close_or_nan;
 using testing::expect_error;
 using testing::oracle_attention;
 
@@ -104,6 +105,55 @@ std::vector<std::pair<std::string, AttentionMask>> position_layouts(int64_t s) {
   return masks;
 }
 
+/// One non-finite value put into q, k or v: the rule of the course is the float64 reference's
+/// (a NaN reaches every row that sees it, a +inf score gives lse +inf and out NaN, a -inf score
+/// is a masked key), and a hidden key never reaches a row, whatever it holds.
+struct Poison {
+  std::string name;
+  char tensor;  // 'q', 'k' or 'v'
+  int64_t row;  // query row (q) or key (k, v), of head 0 of batch 0
+  int64_t dim;
+  float value;
+};
+
+std::vector<Poison> poisons(int64_t seq_q, int64_t seq_k) {
+  const int64_t i = seq_q * 2 / 3, j = seq_k / 2;
+  return {{"NaN in q", 'q', i, 3, NAN},        {"NaN in k", 'k', j, 5, NAN},         {"NaN in v", 'v', j, 2, NAN},
+          {"+inf in q", 'q', i, 1, INFINITY},  {"-inf in q", 'q', i, 1, -INFINITY}, {"+inf in k", 'k', j, 4, INFINITY},
+          {"-inf in k", 'k', j, 4, -INFINITY}};
+}
+
+Inputs poisoned(const Inputs& in, const Poison& p) {
+  Inputs out{in.q.clone(), in.k.clone(), in.v.clone()};
+  torch::Tensor& t = p.tensor == 'q' ? out.q : p.tensor == 'k' ? out.k : out.v;
+  t[0][0][p.row][p.dim] = p.value;
+  return out;
+}
+
+/// `forward` on inputs with one non-finite value, without and with causal masks of every layout,
+/// against the oracle (NaN where it has NaN, else within the tolerance).
+void check_non_finite_with(const ForwardFn& forward, int64_t s, int64_t d, const std::string& what) {
+  const Case c{1, 2, 1, s, s, d, false};
+  const Inputs clean = random_inputs(c, 31);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  std::vector<std::pair<std::string, AttentionMask>> masks = position_layouts(s);
+  masks.insert(masks.begin(), std::pair<std::string, AttentionMask>{"full", {false, {}, {}}});
+  for (const Poison& p : poisons(s, s)) {
+    const Inputs in = poisoned(clean, p);
+    for (const auto& [layout, mask] : masks) {
+      const torch::Tensor q_pos = mask.q_positions.defined() ? mask.q_positions : torch::arange(s);
+      const torch::Tensor k_pos = mask.k_positions.defined() ? mask.k_positions : torch::arange(s);
+      const auto [out, lse] = oracle_attention(in.q, in.k, in.v, mask.causal, q_pos, k_pos, scale);
+      if (layout == "contiguous")  // the test means something: some rows are NaN, some are not
+        EXPECT_TRUE(out.isnan().any().item<bool>() && !out.isnan().all().item<bool>()) << p.name;
+      const AttnResult r = forward(in, mask, q_pos, k_pos, scale);
+      const std::string where = what + ", " + p.name + ", " + layout + " D=" + std::to_string(d);
+      EXPECT_TRUE(all_close_or_nan(r.out, out, "out " + where, kDims));
+      EXPECT_TRUE(all_close_or_nan(r.lse, lse, "lse " + where, {"b", "h", "s"}));
+    }
+  }
+}
+
 // ── Task 1: the merge ─────────────────────────────────────────────────────────────────────────
 
 CP_TEST(Lesson03, Task1_MergeOfTwoKeySplitsEqualsTheWhole) {
@@ -146,6 +196,37 @@ CP_TEST(Lesson03, Task1_MergeIsMinusInfSafeOnEitherSide) {
   }
 }
 
+CP_TEST(Lesson03, Task1_MergePropagatesNanAndInf) {
+  // Key splits of inputs with a NaN or an inf: the merge of the two sides' results must give the
+  // whole's, NaN and +inf included (a side with lse = NaN or +inf is never an empty side).
+  const Case c{1, 2, 1, 12, 40, 32, false};
+  const Inputs clean = random_inputs(c, 8);
+  const double scale = 1.0 / std::sqrt(32.0);
+  const torch::Tensor q_pos = torch::arange(c.seq_q) + 20, k_pos = torch::arange(c.seq_k);
+  for (const Poison& p : poisons(c.seq_q, c.seq_k)) {
+    const Inputs in = poisoned(clean, p);
+    for (bool causal : {false, true}) {
+      const auto [out, lse] = oracle_attention(in.q, in.k, in.v, causal, q_pos, k_pos, scale);
+      for (int64_t split : {0, 10, 21, 40}) {
+        auto part = [&](int64_t from, int64_t to) {
+          return oracle_attention(in.q, in.k.narrow(2, from, to - from), in.v.narrow(2, from, to - from), causal,
+                                  q_pos, k_pos.narrow(0, from, to - from), scale);
+        };
+        auto [out_a, lse_a] = part(0, split);
+        auto [out_b, lse_b] = part(split, c.seq_k);
+        for (bool swap : {false, true}) {
+          torch::Tensor out_acc = (swap ? out_b : out_a).to(torch::kFloat), lse_acc = (swap ? lse_b : lse_a).to(torch::kFloat);
+          merge_attention(out_acc, lse_acc, (swap ? out_a : out_b).to(torch::kFloat), (swap ? lse_a : lse_b).to(torch::kFloat));
+          const std::string what = p.name + ", split at " + std::to_string(split) + (causal ? " causal" : "") +
+                                   (swap ? ", sides swapped" : "");
+          EXPECT_TRUE(all_close_or_nan(out_acc, out, "merged out, " + what, kDims));
+          EXPECT_TRUE(all_close_or_nan(lse_acc, lse, "merged lse, " + what, {"b", "h", "s"}));
+        }
+      }
+    }
+  }
+}
+
 CP_TEST(Lesson03, Task1_MergeRejectsWrongShapesAndDtypes) {
   torch::Tensor out = torch::zeros({1, 2, 3, 4}), lse = torch::zeros({1, 2, 3});
   merge_attention(out, lse, out.clone(), lse.clone());  // counts once implemented
@@ -178,6 +259,11 @@ CP_TEST(Lesson03, Task2_FullyMaskedRowsGiveZeroAndMinusInf) {
   EXPECT_TRUE(torch::equal(r.out.narrow(2, 0, 20), torch::zeros({1, 2, 20, 32})));
   EXPECT_TRUE((r.lse.narrow(2, 0, 20) == -INFINITY).all().item<bool>());
   EXPECT_TRUE((r.lse.narrow(2, 20, 20) > -INFINITY).all().item<bool>());
+}
+
+CP_TEST(Lesson03, Task2_NanAndInfInputsFollowTheDefinition) {
+  // 40 keys: two tiles; a NaN is never taken for a masked key, a hidden key never reaches a row.
+  check_non_finite_with(forward_on(torch::kCPU), 40, 16, "cpu");
 }
 
 CP_TEST(Lesson03, Task2_EmptyShapes) {
@@ -323,6 +409,10 @@ CP_TEST(Lesson03Kernels, Task3_KernelRejectsAnUnsupportedHeadDim) {
   check_forward_with(forward_kernel, {1, 1, 1, 4, 4, 32, false}, {}, torch::kFloat, 1, "kernel");  // counts once implemented
   expect_error([&] { forward_kernel(random_inputs(c, 1), {}, torch::arange(4), torch::arange(4), 1.0); },
                "unsupported head dim 48");
+}
+CP_TEST(Lesson03Kernels, Task3_KernelNanAndInfInputsFollowTheDefinition) {
+  CP_REQUIRE_CUDA_RUNTIME();
+  check_non_finite_with(forward_kernel, 70, 32, "kernel");  // two 64-row blocks, three 32-key tiles
 }
 #else
 CP_KERNEL_TESTS_NEED_CUDA(Lesson03Kernels)

@@ -18,6 +18,7 @@ namespace cp {
 namespace {
 
 using testing::all_close;
+using testing::all_close_or_nan;
 using testing::expect_error;
 using testing::for_each_world;
 using testing::oracle_attention_grads;
@@ -67,6 +68,54 @@ void check_block_backward(const Inputs& in32, const AttentionMask& mask, torch::
   expect_grads_match_autograd(g, in, mask.causal, q_pos, k_pos, what);
 }
 
+/// A NaN put into one element of q, k, v or dout (head 0 of batch 0): a query row late in the
+/// sequence, a key in its middle, a dout row early.
+struct NanAt {
+  std::string name;
+  char tensor;  // 'q', 'k', 'v' or 'o' (dout)
+  int64_t dim;
+};
+const std::vector<NanAt> kNans = {{"NaN in q", 'q', 3}, {"NaN in k", 'k', 5}, {"NaN in v", 'v', 2}, {"NaN in dout", 'o', 1}};
+
+Inputs with_nan(const Inputs& in, const NanAt& at) {
+  Inputs out{in.q.clone(), in.k.clone(), in.v.clone(), in.dout.clone()};
+  torch::Tensor& t = at.tensor == 'q' ? out.q : at.tensor == 'k' ? out.k : at.tensor == 'v' ? out.v : out.dout;
+  const int64_t s = t.size(2);
+  t[0][0][at.tensor == 'q' ? s * 2 / 3 : at.tensor == 'o' ? s / 3 : s / 2][at.dim] = NAN;
+  return out;
+}
+
+/// A gradient against the oracle's, NaN where it has NaN (the tolerance from its other elements).
+::testing::AssertionResult grad_close_or_nan(const torch::Tensor& actual, const torch::Tensor& expected,
+                                             torch::ScalarType dtype, const std::string& what) {
+  const torch::Tensor finite_part = expected.masked_fill(expected.isnan(), 0);
+  return all_close_or_nan(actual, expected, what, kDims, testing::gradient_tolerance(dtype, finite_part));
+}
+
+/// dq, dk, dv of the block backward (CPU, or the kernels) against the oracle, for inputs with one
+/// NaN, without and with causal masks of every layout.
+void check_nan_backward(const std::function<AttnGrads(const Inputs&, bool, const torch::Tensor&, const torch::Tensor&)>& grads_of,
+                        int64_t s, int64_t d, const std::string& what) {
+  const Inputs clean = random_inputs(1, 2, 1, s, s, d, 41);
+  std::vector<testing::PositionLayout> layouts = testing::causal_position_layouts(s);
+  layouts.insert(layouts.begin(), testing::PositionLayout{"full", torch::arange(s), torch::arange(s)});
+  for (const NanAt& at : kNans) {
+    const Inputs in = with_nan(clean, at);
+    for (const testing::PositionLayout& l : layouts) {
+      const bool causal = l.name != "full";
+      const auto [dq, dk, dv] = oracle_attention_grads(in.q, in.k, in.v, in.dout, causal, l.q_pos, l.k_pos,
+                                                       1.0 / std::sqrt(static_cast<double>(d)));
+      if (l.name == "contiguous")  // the test means something: some rows of dq are NaN, not all
+        EXPECT_TRUE(dq.isnan().any().item<bool>() && !dq.isnan().all().item<bool>()) << at.name;
+      const AttnGrads g = grads_of(in, causal, l.q_pos, l.k_pos);
+      const std::string where = what + ", " + at.name + ", " + l.name;
+      EXPECT_TRUE(grad_close_or_nan(g.dq, dq, torch::kFloat, "dq " + where));
+      EXPECT_TRUE(grad_close_or_nan(g.dk, dk, torch::kFloat, "dk " + where));
+      EXPECT_TRUE(grad_close_or_nan(g.dv, dv, torch::kFloat, "dv " + where));
+    }
+  }
+}
+
 // ── Task 1: the block backward on the CPU ─────────────────────────────────────────────────────
 
 CP_TEST(Lesson05, Task1_BlockBackwardMatchesAutograd) {
@@ -98,6 +147,18 @@ void check_empty_block_backward(torch::Device device) {
 }
 
 CP_TEST(Lesson05, Task1_EmptyShapes) { check_empty_block_backward(torch::kCPU); }
+
+CP_TEST(Lesson05, Task1_NanInputsGiveNanExactlyWhereTheDefinitionDoes) {
+  // Lesson 03's forward, then the block backward: a NaN reaches the gradients of every pair that
+  // sees it and nothing else (a hidden pair contributes nothing, not 0 · NaN).
+  check_nan_backward(
+      [](const Inputs& in, bool causal, const torch::Tensor& q_pos, const torch::Tensor& k_pos) {
+        const AttentionMask mask{causal, q_pos, k_pos};
+        const AttnResult fwd = attention_block_forward(in.q, in.k, in.v, mask);
+        return attention_block_backward(in.dout, in.q, in.k, in.v, fwd.out, fwd.lse, mask);
+      },
+      40, 16, "cpu");
+}
 
 CP_TEST(Lesson05, Task1_BadInputGivesClearErrors) {
   const Inputs in = random_inputs(1, 2, 1, 8, 8, 32, 4);
@@ -161,6 +222,29 @@ CP_TEST(Lesson05, Task3_RingBackwardMatchesAutograd) {
   });
 }
 
+CP_TEST(Lesson05, Task3_RingBackwardNanReachesExactlyTheGradientsThatDependOnIt) {
+  for_each_world([](Comm& comm) {
+    const int64_t chunk = 5, d = 32, s = chunk * comm.size();
+    const Inputs clean = random_inputs(1, 2, 1, s, s, d, 43);
+    for (const NanAt& at : kNans) {
+      const Inputs in = with_nan(clean, at);
+      for (bool causal : {false, true}) {
+        const auto [dq, dk, dv] = oracle_attention_grads(in.q, in.k, in.v, in.dout, causal, torch::arange(s),
+                                                         torch::arange(s), 1.0 / std::sqrt(static_cast<double>(d)));
+        const RingOptions options{causal, {}, true, nullptr};
+        const RingResult fwd = ring_attention_forward(comm, shard(in.q, comm), shard(in.k, comm), shard(in.v, comm), options);
+        const RingGrads g = ring_attention_backward(comm, shard(in.dout, comm), shard(in.q, comm), shard(in.k, comm),
+                                                    shard(in.v, comm), fwd.out, fwd.lse, options);
+        const std::string what = at.name + (causal ? ", causal" : ", full") + ", rank " + std::to_string(comm.rank()) +
+                                 " of " + std::to_string(comm.size());
+        EXPECT_TRUE(grad_close_or_nan(g.dq, shard(dq, comm), torch::kFloat, "dq " + what));
+        EXPECT_TRUE(grad_close_or_nan(g.dk, shard(dk, comm), torch::kFloat, "dk " + what));
+        EXPECT_TRUE(grad_close_or_nan(g.dv, shard(dv, comm), torch::kFloat, "dv " + what));
+      }
+    }
+  });
+}
+
 CP_TEST(Lesson05, Task3_OverlapOnAndOffGiveIdenticalGradients) {
   for_each_world([](Comm& comm) {
     const Inputs in = random_inputs(1, 2, 2, 23 * comm.size(), 23 * comm.size(), 32, 5);
@@ -182,15 +266,31 @@ CP_TEST(Lesson05, Task3_BadInputGivesClearErrors) {
     const torch::Tensor t = torch::zeros({1, 1, 4, 32});
     ring_attention_backward(comm, t, t, t, t, t, torch::zeros({1, 1, 4}));
   });
-  try {
-    run_local_world(2, [](Comm& comm) {
-      const torch::Tensor t = torch::zeros({1, 1, 4, 32});
-      ring_attention_backward(comm, t, t, t, t, t, torch::zeros({1, 1, 5}));
-    });
-    ADD_FAILURE() << "expected a cp::Error for an lse of the wrong shape";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("lse: expected shape [1, 1, 4]"), std::string::npos) << e.what();
-  }
+  // The backward on 3 ranks with every tensor [1, 1, 4, 32] except what `change` replaces on rank 2.
+  struct Args {
+    torch::Tensor dout, q, k, v, out, lse;
+    RingOptions options;
+  };
+  auto rank_2 = [](std::function<void(Args&)> change) {
+    return [change] {
+      run_local_world(3, [&](Comm& comm) {
+        const torch::Tensor t = torch::zeros({1, 1, 4, 32});
+        Args a{t, t, t, t, t, torch::zeros({1, 1, 4}), {}};
+        if (comm.rank() == 2) change(a);
+        ring_attention_backward(comm, a.dout, a.q, a.k, a.v, a.out, a.lse, a.options);
+      });
+    };
+  };
+  testing::expect_errors({
+      {"lse of 5 rows", rank_2([](Args& a) { a.lse = torch::zeros({1, 1, 5}); }), "lse: expected shape [1, 1, 4]"},
+      {"dout with 3 dimensions", rank_2([](Args& a) { a.dout = torch::zeros({1, 4, 32}); }),
+       "dout: expected q's shape [1, 1, 4, 32], got [1, 4, 32]"},
+      {"out of 5 rows", rank_2([](Args& a) { a.out = torch::zeros({1, 1, 5, 32}); }), "out: expected q's shape"},
+      {"undefined dout", rank_2([](Args& a) { a.dout = torch::Tensor(); }), "dout: expected q's shape"},
+      {"q of 5 rows", rank_2([](Args& a) { a.q = torch::zeros({1, 1, 5, 32}); }), "Is S divisible by N = 3?"},
+      {"an empty RingOptions::exchange", rank_2([](Args& a) { a.options.exchange = nullptr; }),
+       "options.exchange: empty"},
+  });
 }
 
 CP_TEST(Lesson05Cuda, Task3_RingBackwardOnCudaForEveryDtypeAndHeadDim) {
@@ -264,6 +364,11 @@ CP_TEST(Lesson05Kernels, Task2_KernelsCausalMaskFromGlobalPositions) {
     for (int64_t d : {32, 128})
       check_backward_kernel(1, 4, 2, s, s, d, true, l.q_pos, l.k_pos, d == 32 ? torch::kFloat : torch::kBFloat16, 23,
                             "kernels, " + l.name);
+}
+
+CP_TEST(Lesson05Kernels, Task2_KernelsNanInputsGiveNanExactlyWhereTheDefinitionDoes) {
+  CP_REQUIRE_CUDA_RUNTIME();
+  check_nan_backward(backward_kernel, 70, 32, "kernels");  // 70: two 64-row blocks, three 32-row tiles
 }
 
 CP_TEST(Lesson05Kernels, Task2_KernelsEmptyShapes) {

@@ -313,6 +313,64 @@ CP_TEST(LocalBackend, ErrorsCarryTheRank) {
   }
 }
 
+// ── mpi backend (under mpirun; the local worlds skip these) ──────────────────────────────────
+
+CP_TEST(MpiBackend, AnAbandonedReceiveIsCancelledAndItsMemoryNeverWritten) {
+  // A batch destroyed without wait() (its owner threw between start() and wait()) must not let
+  // MPI write a later message into its freed buffer, nor swallow that message (issue 12).
+  for_each_world([](Comm& comm) {
+    if (comm.backend() != Backend::Mpi || comm.size() < 2) return;
+    const int next = (comm.rank() + 1) % comm.size(), prev = (comm.rank() + comm.size() - 1) % comm.size();
+    const int64_t n = 16384;  // 64 KiB: freed to the heap, likely reused by the canary below
+    {
+      torch::Tensor abandoned = torch::empty({n});
+      const Request request = comm.start({P2POp::recv(abandoned, prev)});
+    }
+    const torch::Tensor canary = torch::full({n}, -1.0f);
+    comm.barrier();  // nobody sends before every rank has abandoned its receive
+    torch::Tensor incoming = torch::empty({n});
+    comm.sendrecv(rank_tensor(comm.rank(), n), next, incoming, prev);
+    expect_equal(incoming, rank_tensor(prev, n), "the message after an abandoned receive");
+    EXPECT_TRUE(canary.eq(-1.0f).all().item<bool>()) << "memory of the abandoned receive was written";
+  });
+}
+
+CP_TEST(Runtime, ACollectiveShapeMismatchIsTheSameErrorOnEveryRank) {
+  for_each_world([](Comm& comm) {
+    if (comm.size() == 1) return;  // nobody to disagree with
+    auto expect_on_every_rank = [&](const std::function<void()>& call, const std::string& needle) {
+      try {
+        call();
+        ADD_FAILURE() << "expected an error mentioning '" << needle << "'";
+      } catch (const ErrorOnEveryRank& e) {
+        EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+      }
+    };
+    const bool odd_one = comm.rank() == 1;
+    torch::Tensor t = torch::ones({odd_one ? 5 : 4});
+    expect_on_every_rank([&] { comm.all_reduce(t, ReduceOp::Sum); },
+                         "all_reduce: every rank must pass the same shape and dtype");
+    // The same number of elements in another shape: rows would be reinterpreted without the check.
+    const torch::Tensor rows = torch::ones(odd_one ? std::vector<int64_t>{3, 2} : std::vector<int64_t>{2, 3});
+    expect_on_every_rank([&] { comm.all_gather(rows); }, "all_gather: every rank must pass the same shape and dtype");
+    torch::Tensor typed = torch::ones({4}, odd_one ? torch::kDouble : torch::kFloat);
+    expect_on_every_rank([&] { comm.broadcast(typed, 0); }, "broadcast: every rank must pass the same shape and dtype");
+    const torch::Tensor parts = torch::ones({2 * comm.size() + (odd_one ? 2 : 0)});
+    expect_on_every_rank([&] { comm.reduce_scatter(parts); }, "reduce_scatter: every rank must pass the same shape");
+  });
+}
+
+CP_TEST(Runtime, RunMainTurnsAnEscapingErrorIntoExitStatus) {
+  EXPECT_EQ(run_main([] { return 7; }), 7);
+  // Seen by every rank: no abort, also under mpirun.
+  EXPECT_EQ(run_main([]() -> int { throw ErrorOnEveryRank("every rank sees this"); }), 2);
+  if (testing::under_mpirun()) return;  // the other errors abort the world there (fault_test checks it)
+  EXPECT_EQ(run_main([]() -> int { throw std::runtime_error("one rank failed"); }), 2);
+  bool explained = false;
+  EXPECT_EQ(run_main([]() -> int { throw NotImplemented("task 1"); }, [&](const NotImplemented&) { explained = true; }), 1);
+  EXPECT_TRUE(explained);
+}
+
 // ── the oracle's comparison must be able to fail ──────────────────────────────────────────────
 
 CP_TEST(Oracle, AllCloseReportsWrongElementsWithTheirIndex) {

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common/device.h"
+#include "common/world.h"
 #include "online_softmax.h"
 
 namespace {
@@ -74,15 +75,16 @@ void compare_implementations() {
 }  // namespace
 
 int main() {
-  torch::set_num_threads(1);
-  torch::manual_seed(0);
-  try {
-    walk_through_a_row();
-    compare_implementations();
-  } catch (const cp::NotImplemented& e) {
-    std::printf("\nThis demo runs your lesson 01 code, which is not written yet:\n  %s\n"
-                "Open lessons/01_online_softmax/README.md and start with task 1.\n", e.what());
-    return 1;
-  }
-  return 0;
+  return cp::run_main(
+      [] {
+        torch::set_num_threads(1);
+        torch::manual_seed(0);
+        walk_through_a_row();
+        compare_implementations();
+        return 0;
+      },
+      [](const cp::NotImplemented& e) {
+        std::printf("\nThis demo runs your lesson 01 code, which is not written yet:\n  %s\n"
+                    "Open lessons/01_online_softmax/README.md and start with task 1.\n", e.what());
+      });
 }

@@ -20,7 +20,8 @@ void safe_softmax_row(const T* x, T* y, int64_t n) {
   // BEGIN YOUR CODE task 2: the three passes
   // TODO(lesson 01, task 2): pass 1 finds the maximum m, pass 2 sums exp(x - m),
   // pass 3 writes exp(x - m) / sum. A row of -inf only (m = -inf) gives zeros. Sum in
-  // double: thousands of float32 terms added one by one lose ~1e-5 relative accuracy.
+  // double: thousands of float32 terms added one by one lose ~1e-5 relative accuracy. A NaN
+  // must reach the output (std::max drops it: a NaN x makes m NaN).
   (void)x, (void)y, (void)n;
   throw NotImplemented("lesson 01, task 2: safe softmax of one row");
   // END YOUR CODE

@@ -44,7 +44,7 @@ __global__ void online_softmax_kernel(const T* __restrict__ x,  // [rows, n]
 
   // BEGIN YOUR CODE task 4: write lse and y
   // TODO(lesson 01, task 4): (c) lane 0 writes lse[row] if lse is not null, and the lanes
-  // write y[j] = exp(x[j] - m) / l (0 for an empty state) if y is not null.
+  // write y[j] = exp(x[j] - m) / l (0 for an empty state, l = 0; NaN if l is NaN) if y is not null.
   (void)y, (void)lse, (void)state;
   // END YOUR CODE
 }

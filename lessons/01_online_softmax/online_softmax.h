@@ -27,7 +27,8 @@ torch::Tensor online_softmax(const torch::Tensor& x);
 
 /// log(sum(exp(x))) over the last dimension, in one pass, with the same (m, l) state.
 /// @param x  [..., n] as for online_softmax.
-/// @return   [...] float32 on the same device; an all -inf (or empty) row gives -inf.
+/// @return   [...] float32 on the same device; an all -inf (or empty) row gives -inf, a row with
+///           a NaN gives NaN, one with +inf (and no NaN) +inf (README, "NaN and inf are never hidden").
 torch::Tensor row_logsumexp(const torch::Tensor& x);
 
 }  // namespace cp

@@ -12,7 +12,9 @@ namespace cp {
 
 /// Summary of a set of values x_i: m = max_i x_i and l = sum_i exp(x_i - m), so that
 /// softmax(x)_i = exp(x_i - m) / l and logsumexp(x) = m + log(l).
-/// The empty set, and a set of -inf values only, is {m = -inf, l = 0}.
+/// The empty set, and a set of -inf values only, is {m = -inf, l = 0}. NaN and +inf are never
+/// dropped (README, "NaN and inf"): a set with a NaN has m = l = NaN, a set with +inf (and no
+/// NaN) has m = +inf and l = NaN (its terms exp(+inf − (+inf)) are undefined).
 struct SoftmaxState {
   float m;  ///< running maximum
   float l;  ///< running sum of exp(x_i - m)
@@ -25,13 +27,17 @@ struct SoftmaxState {
     // BEGIN YOUR CODE task 1: add one value
     // TODO(lesson 01, task 1): if x is a new maximum, rescale l to it (the correction
     // factor exp(m_old - m_new)) before adding exp(x - m_new) = 1; else add exp(x - m).
-    // -inf contributes nothing, and must not produce exp(-inf - (-inf)) = NaN.
+    // -inf contributes nothing, and must not produce exp(-inf - (-inf)) = NaN. A NaN x counts
+    // as a new maximum (m = l = NaN: never drop it), and x = +inf adds exp(inf - inf) = NaN, not 1.
     CP_NOT_IMPLEMENTED_HD("lesson 01, task 1: SoftmaxState::add");
     // END YOUR CODE
   }
 
-  /// log(sum exp(x_i)); -inf for the empty state.
-  CP_HOST_DEVICE float logsumexp() const { return l > 0.0f ? m + logf(l) : -INFINITY; }
+  /// log(sum exp(x_i)); -inf for the empty state, +inf if some x_i is +inf, NaN if some x_i is NaN.
+  CP_HOST_DEVICE float logsumexp() const {
+    if (m == INFINITY) return INFINITY;  // the sum is +inf, though l (inf/inf) is NaN
+    return l == 0.0f ? -INFINITY : m + logf(l);  // `l > 0` would call a NaN state empty
+  }
 };
 
 /// The state of the union of two disjoint sets. Associative and commutative, with identity
@@ -40,7 +46,8 @@ struct SoftmaxState {
 CP_HOST_DEVICE inline SoftmaxState merge(SoftmaxState a, SoftmaxState b) {
   // BEGIN YOUR CODE task 1: merge two states
   // TODO(lesson 01, task 1): take the larger maximum, rescale both sums to it, add them.
-  // Both states may be empty (m = -inf): never evaluate exp(-inf - (-inf)).
+  // Both states may be empty (m = -inf): never evaluate exp(-inf - (-inf)). A NaN maximum
+  // must win (fmaxf and std::max drop NaN).
   CP_NOT_IMPLEMENTED_HD("lesson 01, task 1: merge(SoftmaxState, SoftmaxState)");
   return SoftmaxState::empty();
   // END YOUR CODE

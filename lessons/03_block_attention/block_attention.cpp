@@ -27,8 +27,9 @@ void attend_row(const T* q_row, const T* k_head, const T* v_head, const int64_t*
   // TODO(lesson 03, task 2): m = -inf, l = 0, o = 0. For each tile of kBc keys: the scores
   // s_j = scale · q·k_j (-inf if causal and k_pos[j] > q_pos), the tile max; skip a tile with
   // no visible key; m_new = max(m, tile max); rescale l and o by exp(m − m_new); add
-  // exp(s_j − m_new) to l and exp(s_j − m_new)·v_j to o. Then out = o / l and lse = m + log l,
-  // or out = 0 and lse = -inf when l = 0.
+  // exp(s_j − m_new) to l and exp(s_j − m_new)·v_j to o for every key with s_j > -inf. Then
+  // out = o / l and lse = m + log l (+inf if m = +inf), or out = 0 and lse = -inf when l = 0.
+  // NaN is never a masked key: the maxima must keep it (std::max drops it), l = 0 means empty.
   (void)q_row, (void)k_head, (void)v_head, (void)k_pos, (void)q_pos, (void)causal, (void)scale,
   (void)seq_k, (void)d_model, (void)o, (void)out_row, (void)lse;
   throw NotImplemented("lesson 03, task 2: attend_row (the CPU tile loop)");
@@ -142,9 +143,10 @@ void merge_attention(torch::Tensor& out_acc, torch::Tensor& lse_acc, const torch
   check_merge_operand(out_blk, out_acc, "out_blk", false);
   check_merge_operand(lse_blk, lse_acc, "lse_blk", true);
   // BEGIN YOUR CODE task 1: the merge
-  // TODO(lesson 03, task 1): m = max(lse_acc, lse_blk); weights w = exp(lse − m) (use a finite
-  // stand-in for m where both are -inf); out = (w_acc·out_acc + w_blk·out_blk) / (w_acc + w_blk),
-  // lse = m + log(w_acc + w_blk); rows where both sides are empty stay (0, -inf). In place.
+  // TODO(lesson 03, task 1): m = max(lse_acc, lse_blk); weights w = exp(lse − m) (use 0 as a
+  // stand-in for m where it is ±inf, as torch.logsumexp does: both sides empty, or a +inf score);
+  // out = (w_acc·out_acc + w_blk·out_blk) / (w_acc + w_blk), lse = m + log(w_acc + w_blk); rows
+  // where both sides are empty stay (0, -inf); a NaN on either side gives NaN. In place.
   throw NotImplemented("lesson 03, task 1: merge_attention");
   // END YOUR CODE
 }

@@ -100,7 +100,8 @@ __global__ void __launch_bounds__(kBr * (D / kSlice))
     // q_reg with your slice of k_tile (row jj, slice g), summed over the row group with
     // __shfl_xor_sync (offsets kGroup/2 … 1); -inf if jj >= n or (causal and
     // kpos_tile[jj] > my_pos). (b) if the tile has a visible key: m_new = max(m, tile max),
-    // rescale l and o by exp(m − m_new), add exp(s − m_new) to l and exp(s − m_new)·v to o.
+    // rescale l and o by exp(m − m_new), add exp(s − m_new) to l and exp(s − m_new)·v to o for
+    // the keys with s > -inf. NaN is never a masked key: the maxima must keep it (fmaxf drops it).
     (void)m, (void)l, (void)my_pos, (void)q_reg;
     // END YOUR CODE
     __syncthreads();  // every row is done with the tiles before the next iteration overwrites them
@@ -109,7 +110,7 @@ __global__ void __launch_bounds__(kBr * (D / kSlice))
   if (!active) return;
   // BEGIN YOUR CODE task 3: write out and lse
   // TODO(lesson 03, task 3): out = O / l (0 if l = 0: no visible key), lse = m + log l
-  // (-inf if l = 0), written by one thread of the row group.
+  // (-inf if l = 0, +inf if m = +inf), written by one thread of the row group.
   (void)out, (void)lse;
   // END YOUR CODE
 }

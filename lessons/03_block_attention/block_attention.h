@@ -44,7 +44,9 @@ torch::Tensor mask_positions(const torch::Tensor& given, int64_t n, torch::Devic
 ///               reads key/value head h / (Hq / Hkv))
 /// @param scale  default 1/sqrt(D)
 /// CPU: float32/float64, any D. CUDA: float32/float16/bfloat16 with float32 math, D in {32, 64, 128}.
-/// A query row with no visible key gives out = 0 and lse = −inf (never NaN).
+/// A query row with no visible key gives out = 0 and lse = −inf (never NaN). A NaN or inf in a
+/// visible score follows the definition (README, "NaN and inf are never hidden"): NaN is never
+/// taken for a masked key.
 AttnResult attention_block_forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                    const AttentionMask& mask = {}, std::optional<double> scale = std::nullopt);
 

@@ -33,7 +33,8 @@ void backward_head(const T* q, const T* k, const T* v, const T* dout, const floa
   // BEGIN YOUR CODE task 1: the gradients of one head
   // TODO(lesson 05, task 1): for every visible pair (i, j): p = exp(scale·q_i·k_j − lse_i),
   // dv_j += p·dout_i, dp = dout_i·v_j, ds = p·(dp − delta_i), dq_i += scale·ds·k_j,
-  // dk_j += scale·ds·q_i. A row with lse = -inf has no visible key: skip it.
+  // dk_j += scale·ds·q_i. A row with lse = -inf has no visible key: skip it (not a NaN row:
+  // compare with -inf exactly). Hidden pairs are skipped, never multiplied by p = 0.
   (void)q, (void)k, (void)v, (void)dout, (void)lse, (void)delta, (void)q_pos, (void)k_pos, (void)causal,
   (void)scale, (void)dq, (void)dk, (void)dv, (void)d_model;
   throw NotImplemented("lesson 05, task 1: backward_head");

@@ -101,9 +101,10 @@ __global__ void __launch_bounds__(kRows * (D / 32))
     __syncthreads();  // the tiles are complete
 
     // BEGIN YOUR CODE task 2: dQ of one key tile
-    // TODO(lesson 05, task 2): for each key jj: s = q_reg·k (group_sum), p = exp(s − lse_i) if the
-    // key is visible and lse_i > -inf (else 0), dp = do_reg·v (group_sum), ds = p·(dp − delta_i),
-    // dq_acc += ds·k. (q_reg already carries the scale; dQ gets it once more at the end.)
+    // TODO(lesson 05, task 2): for each key jj: s = q_reg·k (group_sum), dp = do_reg·v (group_sum);
+    // if the key is visible and lse_i ≠ -inf (a NaN lse is no empty row): p = exp(s − lse_i),
+    // ds = p·(dp − delta_i), dq_acc += ds·k. A hidden pair adds nothing (not 0·NaN).
+    // (q_reg already carries the scale; dQ gets it once more at the end.)
     (void)lse_i, (void)delta_i, (void)my_pos, (void)q_reg, (void)do_reg;
     // END YOUR CODE
     __syncthreads();  // done with the tiles before the next iteration overwrites them
@@ -172,8 +173,9 @@ __global__ void __launch_bounds__(kRows * (D / 16))
 
       // BEGIN YOUR CODE task 2: dK and dV of one query tile
       // TODO(lesson 05, task 2): for each query ii: s = k_reg·q (group_sum; k_reg carries the
-      // scale), p = exp(s − lse) if visible (causal: my_pos <= qpos_tile[ii]) and lse > -inf,
-      // dv_acc += p·dO, dp = v_reg·dO (group_sum), ds = p·(dp − delta), dk_acc += ds·q.
+      // scale), dp = v_reg·dO (group_sum); if visible (causal: my_pos <= qpos_tile[ii]) and
+      // lse ≠ -inf (a NaN lse is no empty row): p = exp(s − lse), dv_acc += p·dO,
+      // ds = p·(dp − delta), dk_acc += ds·q. A hidden pair adds nothing (not 0·NaN).
       (void)my_pos, (void)k_reg, (void)v_reg;
       // END YOUR CODE
       __syncthreads();  // done with the tiles before the next iteration overwrites them

@@ -20,11 +20,12 @@ void safe_softmax_row(const T* x, T* y, int64_t n) {
   // BEGIN SOLUTION task 2: the three passes
   // STUB: // TODO(lesson 01, task 2): pass 1 finds the maximum m, pass 2 sums exp(x - m),
   // STUB: // pass 3 writes exp(x - m) / sum. A row of -inf only (m = -inf) gives zeros. Sum in
-  // STUB: // double: thousands of float32 terms added one by one lose ~1e-5 relative accuracy.
+  // STUB: // double: thousands of float32 terms added one by one lose ~1e-5 relative accuracy. A NaN
+  // STUB: // must reach the output (std::max drops it: a NaN x makes m NaN).
   // STUB: (void)x, (void)y, (void)n;
   // STUB: throw NotImplemented("lesson 01, task 2: safe softmax of one row");
   T m = -INFINITY;
-  for (int64_t j = 0; j < n; ++j) m = std::max(m, x[j]);
+  for (int64_t j = 0; j < n; ++j) m = (x[j] > m || x[j] != x[j]) ? x[j] : m;  // NaN wins: std::max drops it
   if (m == -INFINITY) {  // nothing to attend to: define the result as zeros, not 0/0
     std::fill(y, y + n, T(0));
     return;

@@ -51,14 +51,15 @@ __global__ void online_softmax_kernel(const T* __restrict__ x,  // [rows, n]
 
   // BEGIN SOLUTION task 4: write lse and y
   // STUB: // TODO(lesson 01, task 4): (c) lane 0 writes lse[row] if lse is not null, and the lanes
-  // STUB: // write y[j] = exp(x[j] - m) / l (0 for an empty state) if y is not null.
+  // STUB: // write y[j] = exp(x[j] - m) / l (0 for an empty state, l = 0; NaN if l is NaN) if y is not null.
   // STUB: (void)y, (void)lse, (void)state;
   if (lse != nullptr && lane == 0) lse[row] = state.logsumexp();
   if (y != nullptr) {
     T* y_row = y + row * n;
     const float inv_l = 1.0f / state.l;  // unused for an empty row, which gives zeros, not NaN
+    const bool empty = state.l == 0.0f;  // not `l > 0`: a NaN row (l = NaN) must give NaN, not zeros
     for (int64_t j = lane; j < n; j += kWarpSize)
-      y_row[j] = kernels::from_float<T>(state.l > 0.0f ? expf(kernels::to_float(x_row[j]) - state.m) * inv_l : 0.0f);
+      y_row[j] = kernels::from_float<T>(empty ? 0.0f : expf(kernels::to_float(x_row[j]) - state.m) * inv_l);
   }
   // END SOLUTION
 }

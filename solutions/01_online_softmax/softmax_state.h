@@ -12,7 +12,9 @@ namespace cp {
 
 /// Summary of a set of values x_i: m = max_i x_i and l = sum_i exp(x_i - m), so that
 /// softmax(x)_i = exp(x_i - m) / l and logsumexp(x) = m + log(l).
-/// The empty set, and a set of -inf values only, is {m = -inf, l = 0}.
+/// The empty set, and a set of -inf values only, is {m = -inf, l = 0}. NaN and +inf are never
+/// dropped (README, "NaN and inf"): a set with a NaN has m = l = NaN, a set with +inf (and no
+/// NaN) has m = +inf and l = NaN (its terms exp(+inf − (+inf)) are undefined).
 struct SoftmaxState {
   float m;  ///< running maximum
   float l;  ///< running sum of exp(x_i - m)
@@ -25,11 +27,14 @@ struct SoftmaxState {
     // BEGIN SOLUTION task 1: add one value
     // STUB: // TODO(lesson 01, task 1): if x is a new maximum, rescale l to it (the correction
     // STUB: // factor exp(m_old - m_new)) before adding exp(x - m_new) = 1; else add exp(x - m).
-    // STUB: // -inf contributes nothing, and must not produce exp(-inf - (-inf)) = NaN.
+    // STUB: // -inf contributes nothing, and must not produce exp(-inf - (-inf)) = NaN. A NaN x counts
+    // STUB: // as a new maximum (m = l = NaN: never drop it), and x = +inf adds exp(inf - inf) = NaN, not 1.
     // STUB: CP_NOT_IMPLEMENTED_HD("lesson 01, task 1: SoftmaxState::add");
     if (x == -INFINITY) return;  // exp(-inf) = 0; skipping it also avoids -inf - (-inf)
-    if (x > m) {
-      l = l * expf(m - x) + 1.0f;  // l was relative to the old maximum: rescale it
+    if (x > m || x != x) {  // a new maximum; a NaN too, so that it propagates (x > m is false for NaN)
+      // l was relative to the old maximum: rescale it. The new term exp(x - x) is 1, but NaN for
+      // x = +inf, as every exp(+inf - (+inf)) is: softmax is then undefined (NaN), like torch's.
+      l = l * expf(m - x) + (x == INFINITY ? NAN : 1.0f);
       m = x;
     } else {
       l += expf(x - m);
@@ -37,8 +42,11 @@ struct SoftmaxState {
     // END SOLUTION
   }
 
-  /// log(sum exp(x_i)); -inf for the empty state.
-  CP_HOST_DEVICE float logsumexp() const { return l > 0.0f ? m + logf(l) : -INFINITY; }
+  /// log(sum exp(x_i)); -inf for the empty state, +inf if some x_i is +inf, NaN if some x_i is NaN.
+  CP_HOST_DEVICE float logsumexp() const {
+    if (m == INFINITY) return INFINITY;  // the sum is +inf, though l (inf/inf) is NaN
+    return l == 0.0f ? -INFINITY : m + logf(l);  // `l > 0` would call a NaN state empty
+  }
 };
 
 /// The state of the union of two disjoint sets. Associative and commutative, with identity
@@ -47,10 +55,11 @@ struct SoftmaxState {
 CP_HOST_DEVICE inline SoftmaxState merge(SoftmaxState a, SoftmaxState b) {
   // BEGIN SOLUTION task 1: merge two states
   // STUB: // TODO(lesson 01, task 1): take the larger maximum, rescale both sums to it, add them.
-  // STUB: // Both states may be empty (m = -inf): never evaluate exp(-inf - (-inf)).
+  // STUB: // Both states may be empty (m = -inf): never evaluate exp(-inf - (-inf)). A NaN maximum
+  // STUB: // must win (fmaxf and std::max drop NaN).
   // STUB: CP_NOT_IMPLEMENTED_HD("lesson 01, task 1: merge(SoftmaxState, SoftmaxState)");
   // STUB: return SoftmaxState::empty();
-  const float m = fmaxf(a.m, b.m);
+  const float m = (b.m > a.m || b.m != b.m) ? b.m : a.m;  // the larger; NaN wins (fmaxf would drop it)
   if (m == -INFINITY) return SoftmaxState::empty();  // both empty
   return {m, a.l * expf(a.m - m) + b.l * expf(b.m - m)};
   // END SOLUTION

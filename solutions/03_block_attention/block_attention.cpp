@@ -27,8 +27,9 @@ void attend_row(const T* q_row, const T* k_head, const T* v_head, const int64_t*
   // STUB: // TODO(lesson 03, task 2): m = -inf, l = 0, o = 0. For each tile of kBc keys: the scores
   // STUB: // s_j = scale · q·k_j (-inf if causal and k_pos[j] > q_pos), the tile max; skip a tile with
   // STUB: // no visible key; m_new = max(m, tile max); rescale l and o by exp(m − m_new); add
-  // STUB: // exp(s_j − m_new) to l and exp(s_j − m_new)·v_j to o. Then out = o / l and lse = m + log l,
-  // STUB: // or out = 0 and lse = -inf when l = 0.
+  // STUB: // exp(s_j − m_new) to l and exp(s_j − m_new)·v_j to o for every key with s_j > -inf. Then
+  // STUB: // out = o / l and lse = m + log l (+inf if m = +inf), or out = 0 and lse = -inf when l = 0.
+  // STUB: // NaN is never a masked key: the maxima must keep it (std::max drops it), l = 0 means empty.
   // STUB: (void)q_row, (void)k_head, (void)v_head, (void)k_pos, (void)q_pos, (void)causal, (void)scale,
   // STUB: (void)seq_k, (void)d_model, (void)o, (void)out_row, (void)lse;
   // STUB: throw NotImplemented("lesson 03, task 2: attend_row (the CPU tile loop)");
@@ -47,25 +48,26 @@ void attend_row(const T* q_row, const T* k_head, const T* v_head, const int64_t*
       float dot = 0.0f;
       for (int64_t d = 0; d < d_model; ++d) dot += static_cast<float>(q_row[d]) * static_cast<float>(k_head[j * d_model + d]);
       s[jj] = dot * scale;
-      tile_max = std::max(tile_max, s[jj]);
+      tile_max = (s[jj] > tile_max || s[jj] != s[jj]) ? s[jj] : tile_max;  // NaN wins: std::max drops it
     }
     if (tile_max == -INFINITY) continue;  // no visible key in this tile
-    const float m_new = std::max(m, tile_max);
+    const float m_new = (tile_max > m || tile_max != tile_max) ? tile_max : m;  // NaN in m or tile_max wins
     const float alpha = std::exp(m - m_new);  // 0 on the first visible tile (m = -inf)
     l *= alpha;
     for (int64_t d = 0; d < d_model; ++d) o[d] *= alpha;
     for (int64_t jj = 0; jj < n; ++jj) {
-      const float p = std::exp(s[jj] - m_new);  // 0 for masked keys
-      if (p == 0.0f) continue;
+      if (s[jj] == -INFINITY) continue;  // a masked key; a visible one counts even at p = 0 (its v may be NaN)
+      const float p = std::exp(s[jj] - m_new);
       l += p;
       const T* v_row = v_head + (j0 + jj) * d_model;
       for (int64_t d = 0; d < d_model; ++d) o[d] += p * static_cast<float>(v_row[d]);
     }
     m = m_new;
   }
-  const float inv_l = l > 0.0f ? 1.0f / l : 0.0f;  // a row without visible keys: out 0, not NaN
+  // l = 0: no visible key, out 0 and lse -inf. Not `l > 0`, which a NaN row (l = NaN) would fail.
+  const float inv_l = l == 0.0f ? 0.0f : 1.0f / l;
   for (int64_t d = 0; d < d_model; ++d) out_row[d] = static_cast<T>(o[d] * inv_l);
-  *lse = l > 0.0f ? m + std::log(l) : -INFINITY;
+  *lse = l == 0.0f ? -INFINITY : m == INFINITY ? INFINITY : m + std::log(l);  // a +inf score: l = inf/inf = NaN
   // END SOLUTION
 }
 
@@ -176,12 +178,15 @@ void merge_attention(torch::Tensor& out_acc, torch::Tensor& lse_acc, const torch
   check_merge_operand(out_blk, out_acc, "out_blk", false);
   check_merge_operand(lse_blk, lse_acc, "lse_blk", true);
   // BEGIN SOLUTION task 1: the merge
-  // STUB: // TODO(lesson 03, task 1): m = max(lse_acc, lse_blk); weights w = exp(lse − m) (use a finite
-  // STUB: // stand-in for m where both are -inf); out = (w_acc·out_acc + w_blk·out_blk) / (w_acc + w_blk),
-  // STUB: // lse = m + log(w_acc + w_blk); rows where both sides are empty stay (0, -inf). In place.
+  // STUB: // TODO(lesson 03, task 1): m = max(lse_acc, lse_blk); weights w = exp(lse − m) (use 0 as a
+  // STUB: // stand-in for m where it is ±inf, as torch.logsumexp does: both sides empty, or a +inf score);
+  // STUB: // out = (w_acc·out_acc + w_blk·out_blk) / (w_acc + w_blk), lse = m + log(w_acc + w_blk); rows
+  // STUB: // where both sides are empty stay (0, -inf); a NaN on either side gives NaN. In place.
   // STUB: throw NotImplemented("lesson 03, task 1: merge_attention");
-  const torch::Tensor m = torch::maximum(lse_acc, lse_blk);
-  const torch::Tensor m_safe = torch::where(m == -INFINITY, torch::zeros_like(m), m);
+  const torch::Tensor m = torch::maximum(lse_acc, lse_blk);  // NaN if either side is NaN
+  // ±inf -> 0, as in torch.logsumexp: -inf (both empty) avoids -inf − (-inf); +inf (a +inf score)
+  // gives w = exp(+inf) = inf, so lse = +inf and out = inf/inf = NaN.
+  const torch::Tensor m_safe = torch::where(m.abs() == INFINITY, torch::zeros_like(m), m);
   const torch::Tensor w_acc = torch::exp(lse_acc - m_safe);  // 0 for an empty side
   const torch::Tensor w_blk = torch::exp(lse_blk - m_safe);
   const torch::Tensor total = w_acc + w_blk;

@@ -100,7 +100,8 @@ __global__ void __launch_bounds__(kBr * (D / kSlice))
     // STUB: // q_reg with your slice of k_tile (row jj, slice g), summed over the row group with
     // STUB: // __shfl_xor_sync (offsets kGroup/2 … 1); -inf if jj >= n or (causal and
     // STUB: // kpos_tile[jj] > my_pos). (b) if the tile has a visible key: m_new = max(m, tile max),
-    // STUB: // rescale l and o by exp(m − m_new), add exp(s − m_new) to l and exp(s − m_new)·v to o.
+    // STUB: // rescale l and o by exp(m − m_new), add exp(s − m_new) to l and exp(s − m_new)·v to o for
+    // STUB: // the keys with s > -inf. NaN is never a masked key: the maxima must keep it (fmaxf drops it).
     // STUB: (void)m, (void)l, (void)my_pos, (void)q_reg;
     float s[kBc];
     float tile_max = -INFINITY;
@@ -114,16 +115,17 @@ __global__ void __launch_bounds__(kBr * (D / kSlice))
       for (int offset = kGroup / 2; offset > 0; offset /= 2) part += __shfl_xor_sync(kFullWarp, part, offset);
       const bool visible = jj < n && (!p.causal || kpos_tile[jj] <= my_pos);
       s[jj] = visible ? part : -INFINITY;
-      tile_max = fmaxf(tile_max, s[jj]);
+      tile_max = (s[jj] > tile_max || s[jj] != s[jj]) ? s[jj] : tile_max;  // NaN wins: fmaxf drops it
     }
-    if (tile_max > -INFINITY) {  // same in the whole row group; no barrier or shuffle inside
-      const float m_new = fmaxf(m, tile_max);
+    if (tile_max != -INFINITY) {  // same in the whole row group; no barrier or shuffle inside
+      const float m_new = (tile_max > m || tile_max != tile_max) ? tile_max : m;  // NaN in m or tile_max wins
       const float alpha = expf(m - m_new);  // 0 on the first visible tile (m = -inf)
       l *= alpha;
       for (int d = 0; d < kSlice; ++d) o[d] *= alpha;
 #pragma unroll
       for (int jj = 0; jj < kBc; ++jj) {
-        const float pj = expf(s[jj] - m_new);  // 0 for masked keys
+        if (s[jj] == -INFINITY) continue;  // masked: left out, even a NaN in its v (0 · NaN = NaN)
+        const float pj = expf(s[jj] - m_new);
         const float* v_row = v_tile + jj * kRowStride<D> + g * kSlicePad;
         l += pj;
         for (int d = 0; d < kSlice; ++d) o[d] += pj * v_row[d];
@@ -137,12 +139,13 @@ __global__ void __launch_bounds__(kBr * (D / kSlice))
   if (!active) return;
   // BEGIN SOLUTION task 3: write out and lse
   // STUB: // TODO(lesson 03, task 3): out = O / l (0 if l = 0: no visible key), lse = m + log l
-  // STUB: // (-inf if l = 0), written by one thread of the row group.
+  // STUB: // (-inf if l = 0, +inf if m = +inf), written by one thread of the row group.
   // STUB: (void)out, (void)lse;
-  const float inv_l = l > 0.0f ? 1.0f / l : 0.0f;  // a row without visible keys: out 0, not NaN
+  // l = 0: no visible key, out 0 and lse -inf. Not `l > 0`, which a NaN row (l = NaN) would fail.
+  const float inv_l = l == 0.0f ? 0.0f : 1.0f / l;
   T* out_row = out + (bh * p.seq_q + i) * D + g * kSlice;
   for (int d = 0; d < kSlice; ++d) out_row[d] = kernels::from_float<T>(o[d] * inv_l);
-  if (g == 0) lse[bh * p.seq_q + i] = l > 0.0f ? m + logf(l) : -INFINITY;
+  if (g == 0) lse[bh * p.seq_q + i] = l == 0.0f ? -INFINITY : m == INFINITY ? INFINITY : m + logf(l);  // +inf: l is NaN
   // END SOLUTION
 }
 

@@ -34,12 +34,13 @@ void backward_head(const T* q, const T* k, const T* v, const T* dout, const floa
   // BEGIN SOLUTION task 1: the gradients of one head
   // STUB: // TODO(lesson 05, task 1): for every visible pair (i, j): p = exp(scale·q_i·k_j − lse_i),
   // STUB: // dv_j += p·dout_i, dp = dout_i·v_j, ds = p·(dp − delta_i), dq_i += scale·ds·k_j,
-  // STUB: // dk_j += scale·ds·q_i. A row with lse = -inf has no visible key: skip it.
+  // STUB: // dk_j += scale·ds·q_i. A row with lse = -inf has no visible key: skip it (not a NaN row:
+  // STUB: // compare with -inf exactly). Hidden pairs are skipped, never multiplied by p = 0.
   // STUB: (void)q, (void)k, (void)v, (void)dout, (void)lse, (void)delta, (void)q_pos, (void)k_pos, (void)causal,
   // STUB: (void)scale, (void)dq, (void)dk, (void)dv, (void)d_model;
   // STUB: throw NotImplemented("lesson 05, task 1: backward_head");
   for (int64_t i = 0; i < s.seq_q; ++i) {
-    if (lse[i] == -INFINITY) continue;  // no visible key: P = 0 and every gradient term is 0
+    if (lse[i] == -INFINITY) continue;  // no visible key: P = 0 and every gradient term is 0 (a NaN lse is not skipped)
     const T* q_i = q + i * d_model;
     const T* do_i = dout + i * d_model;
     for (int64_t j = 0; j < s.seq_k; ++j) {

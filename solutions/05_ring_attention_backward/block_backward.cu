@@ -101,9 +101,10 @@ __global__ void __launch_bounds__(kRows * (D / 32))
     __syncthreads();  // the tiles are complete
 
     // BEGIN SOLUTION task 2: dQ of one key tile
-    // STUB: // TODO(lesson 05, task 2): for each key jj: s = q_reg·k (group_sum), p = exp(s − lse_i) if the
-    // STUB: // key is visible and lse_i > -inf (else 0), dp = do_reg·v (group_sum), ds = p·(dp − delta_i),
-    // STUB: // dq_acc += ds·k. (q_reg already carries the scale; dQ gets it once more at the end.)
+    // STUB: // TODO(lesson 05, task 2): for each key jj: s = q_reg·k (group_sum), dp = do_reg·v (group_sum);
+    // STUB: // if the key is visible and lse_i ≠ -inf (a NaN lse is no empty row): p = exp(s − lse_i),
+    // STUB: // ds = p·(dp − delta_i), dq_acc += ds·k. A hidden pair adds nothing (not 0·NaN).
+    // STUB: // (q_reg already carries the scale; dQ gets it once more at the end.)
     // STUB: (void)lse_i, (void)delta_i, (void)my_pos, (void)q_reg, (void)do_reg;
     for (int jj = 0; jj < kTile; ++jj) {
       const float* k_row = k_tile + L::at(jj, g * kSlice);
@@ -116,10 +117,13 @@ __global__ void __launch_bounds__(kRows * (D / 32))
       }
       s = group_sum<L::kGroup>(s);
       dp = group_sum<L::kGroup>(dp);
-      const bool visible = jj < n && lse_i > -INFINITY && (!p.causal || kpos_tile[jj] <= my_pos);
-      const float ds = visible ? expf(s - lse_i) * (dp - delta_i) : 0.0f;
+      // `!= -INFINITY`, not `> -INFINITY`: a NaN row is not an empty one.
+      const bool visible = jj < n && lse_i != -INFINITY && (!p.causal || kpos_tile[jj] <= my_pos);
+      if (visible) {  // a hidden pair adds nothing, not 0 · NaN (its k may be NaN)
+        const float ds = expf(s - lse_i) * (dp - delta_i);
 #pragma unroll
-      for (int d = 0; d < kSlice; ++d) dq_acc[d] += ds * k_row[d];
+        for (int d = 0; d < kSlice; ++d) dq_acc[d] += ds * k_row[d];
+      }
     }
     // END SOLUTION
     __syncthreads();  // done with the tiles before the next iteration overwrites them
@@ -188,8 +192,9 @@ __global__ void __launch_bounds__(kRows * (D / 16))
 
       // BEGIN SOLUTION task 2: dK and dV of one query tile
       // STUB: // TODO(lesson 05, task 2): for each query ii: s = k_reg·q (group_sum; k_reg carries the
-      // STUB: // scale), p = exp(s − lse) if visible (causal: my_pos <= qpos_tile[ii]) and lse > -inf,
-      // STUB: // dv_acc += p·dO, dp = v_reg·dO (group_sum), ds = p·(dp − delta), dk_acc += ds·q.
+      // STUB: // scale), dp = v_reg·dO (group_sum); if visible (causal: my_pos <= qpos_tile[ii]) and
+      // STUB: // lse ≠ -inf (a NaN lse is no empty row): p = exp(s − lse), dv_acc += p·dO,
+      // STUB: // ds = p·(dp − delta), dk_acc += ds·q. A hidden pair adds nothing (not 0·NaN).
       // STUB: (void)my_pos, (void)k_reg, (void)v_reg;
       for (int ii = 0; ii < kTile; ++ii) {
         const float* q_row = q_tile + L::at(ii, g * kSlice);
@@ -202,13 +207,16 @@ __global__ void __launch_bounds__(kRows * (D / 16))
         }
         s = group_sum<L::kGroup>(s);
         dp = group_sum<L::kGroup>(dp);
-        const bool visible = ii < n && lse_tile[ii] > -INFINITY && (!p.causal || my_pos <= qpos_tile[ii]);
-        const float prob = visible ? expf(s - lse_tile[ii]) : 0.0f;
-        const float ds = prob * (dp - delta_tile[ii]);
+        // `!= -INFINITY`, not `> -INFINITY`: a NaN row is not an empty one.
+        const bool visible = ii < n && lse_tile[ii] != -INFINITY && (!p.causal || my_pos <= qpos_tile[ii]);
+        if (visible) {  // a hidden pair adds nothing, not 0 · NaN (its q or dO may be NaN)
+          const float prob = expf(s - lse_tile[ii]);
+          const float ds = prob * (dp - delta_tile[ii]);
 #pragma unroll
-        for (int d = 0; d < kSlice; ++d) {
-          dv_acc[d] += prob * do_row[d];
-          dk_acc[d] += ds * q_row[d];
+          for (int d = 0; d < kSlice; ++d) {
+            dv_acc[d] += prob * do_row[d];
+            dk_acc[d] += ds * q_row[d];
+          }
         }
       }
       // END SOLUTION

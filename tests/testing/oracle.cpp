@@ -104,6 +104,19 @@ std::vector<CheckRecord> take_checks() {
          << "; first mismatches:" << mismatches.str();
 }
 
+::testing::AssertionResult all_close_or_nan(const torch::Tensor& actual_in, const torch::Tensor& expected_in,
+                                            const std::string& what, const std::vector<std::string>& dims,
+                                            std::optional<Tolerance> tolerance) {
+  if (!actual_in.defined() || actual_in.sizes() != expected_in.sizes())
+    return all_close(actual_in, expected_in, what, dims, tolerance);  // reports the problem
+  const torch::Tensor actual = actual_in.detach().cpu(), expected = expected_in.detach().cpu();
+  // NaN where both have it becomes 0 in both; a NaN in one of them only is left for all_close
+  // to report as a mismatch.
+  const torch::Tensor both = actual.isnan() & expected.isnan();
+  return all_close(actual.masked_fill(both, 0), expected.masked_fill(both, 0), what, dims,
+                   tolerance.value_or(tolerance_for(actual_in.scalar_type())));
+}
+
 torch::Tensor oracle_softmax(const torch::Tensor& x) {
   const torch::Tensor x64 = x.detach().to(torch::kCPU, torch::kDouble);
   const torch::Tensor empty_row = (x64 == -INFINITY).all(-1, /*keepdim=*/true);
@@ -114,26 +127,53 @@ torch::Tensor oracle_logsumexp(const torch::Tensor& x) {
   return torch::logsumexp(x.detach().to(torch::kCPU, torch::kDouble), -1);
 }
 
-std::pair<torch::Tensor, torch::Tensor> oracle_attention(const torch::Tensor& q, const torch::Tensor& k,
-                                                         const torch::Tensor& v, bool causal,
-                                                         const torch::Tensor& q_pos, const torch::Tensor& k_pos,
-                                                         double scale) {
-  // Differentiable conversion: oracle_attention_grads runs autograd through this function.
+namespace {
+
+bool any_non_finite(std::initializer_list<torch::Tensor> ts) {
+  for (const torch::Tensor& t : ts)
+    if (!torch::isfinite(t.detach()).all().item<bool>()) return true;
+  return false;
+}
+
+/// oracle_attention, differentiable (oracle_attention_grads runs autograd through it). `pairwise`:
+/// q, k and v are expanded to one copy per (query, key) pair, zeroed where the key is hidden, so
+/// that a hidden key's values meet nothing but zeros, in the forward and in the backward.
+std::pair<torch::Tensor, torch::Tensor> attention64(const torch::Tensor& q, const torch::Tensor& k,
+                                                    const torch::Tensor& v, bool causal, const torch::Tensor& q_pos,
+                                                    const torch::Tensor& k_pos, double scale, bool pairwise) {
   auto f64 = [](const torch::Tensor& t) { return t.to(torch::kCPU, torch::kDouble); };
   const int64_t group = q.size(1) / k.size(1);
-  const torch::Tensor k64 = f64(k).repeat_interleave(group, 1), v64 = f64(v).repeat_interleave(group, 1);
-  torch::Tensor scores = torch::matmul(f64(q), k64.transpose(-1, -2)) * scale;  // [B, Hq, Sq, Sk]
-  if (causal) {
-    const torch::Tensor hidden = k_pos.cpu().view({1, -1}) > q_pos.cpu().view({-1, 1});  // [Sq, Sk]
-    scores = scores.masked_fill(hidden, -INFINITY);
+  const torch::Tensor q64 = f64(q), k64 = f64(k).repeat_interleave(group, 1), v64 = f64(v).repeat_interleave(group, 1);
+  const int64_t sq = q.size(2), sk = k.size(2);
+  const torch::Tensor hidden = causal ? k_pos.cpu().view({1, -1}) > q_pos.cpu().view({-1, 1})  // [Sq, Sk]
+                                      : torch::zeros({sq, sk}, torch::kBool);
+  torch::Tensor scores, v_pairs;  // scores [B, Hq, Sq, Sk]; v_pairs [B, Hq, Sq, Sk, D] (pairwise only)
+  if (pairwise) {
+    const torch::Tensor visible = hidden.logical_not().view({1, 1, sq, sk, 1});
+    const torch::Tensor zero = torch::zeros({}, q64.options());
+    auto pairs = [&](const torch::Tensor& t, int64_t new_dim) { return torch::where(visible, t.unsqueeze(new_dim), zero); };
+    scores = (pairs(q64, 3) * pairs(k64, 2)).sum(-1) * scale;
+    v_pairs = pairs(v64, 2);
+  } else {
+    scores = torch::matmul(q64, k64.transpose(-1, -2)) * scale;
   }
+  if (causal) scores = scores.masked_fill(hidden, -INFINITY);
   const torch::Tensor lse = torch::logsumexp(scores, -1).detach();
   // Rows without a visible key: softmax of zeros instead of -inf (finite, so autograd stays
   // finite too), then replaced by zeros.
   const torch::Tensor empty = (lse == -INFINITY).unsqueeze(-1);
   const torch::Tensor p = torch::where(empty, torch::zeros_like(scores),
                                        torch::softmax(torch::where(empty, torch::zeros_like(scores), scores), -1));
-  return {torch::matmul(p, v64), lse};
+  return {pairwise ? (p.unsqueeze(-1) * v_pairs).sum(-2) : torch::matmul(p, v64), lse};
+}
+
+}  // namespace
+
+std::pair<torch::Tensor, torch::Tensor> oracle_attention(const torch::Tensor& q, const torch::Tensor& k,
+                                                         const torch::Tensor& v, bool causal,
+                                                         const torch::Tensor& q_pos, const torch::Tensor& k_pos,
+                                                         double scale) {
+  return attention64(q, k, v, causal, q_pos, k_pos, scale, any_non_finite({q, k, v}));
 }
 
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> oracle_attention_grads(
@@ -141,7 +181,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> oracle_attention_grads(
     const torch::Tensor& q_pos, const torch::Tensor& k_pos, double scale) {
   auto leaf = [](const torch::Tensor& t) { return t.detach().to(torch::kCPU, torch::kDouble).requires_grad_(true); };
   const torch::Tensor q64 = leaf(q), k64 = leaf(k), v64 = leaf(v);
-  const torch::Tensor out = oracle_attention(q64, k64, v64, causal, q_pos, k_pos, scale).first;
+  const torch::Tensor out =
+      attention64(q64, k64, v64, causal, q_pos, k_pos, scale, any_non_finite({q, k, v, dout})).first;
   const auto grads = torch::autograd::grad({(out * dout.to(torch::kCPU, torch::kDouble)).sum()}, {q64, k64, v64});
   return {grads[0], grads[1], grads[2]};
 }

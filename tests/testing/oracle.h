@@ -34,6 +34,13 @@ Tolerance gradient_tolerance(torch::ScalarType dtype, const torch::Tensor& expec
                                      const std::string& what, const std::vector<std::string>& dims = {},
                                      std::optional<Tolerance> tolerance = std::nullopt);
 
+/// all_close where NaN matches NaN: the NaN positions of `actual` and `expected` must be the same,
+/// every other element must be within the tolerance (by default the dtype of `actual`'s). For
+/// the tests of non-finite inputs, where the oracle's NaN is the right answer.
+::testing::AssertionResult all_close_or_nan(const torch::Tensor& actual, const torch::Tensor& expected,
+                                            const std::string& what, const std::vector<std::string>& dims = {},
+                                            std::optional<Tolerance> tolerance = std::nullopt);
+
 /// Softmax over the last dim in float64; a row of -inf only gives zeros (the course's
 /// definition: such a row attends to nothing), where torch::softmax gives NaN.
 torch::Tensor oracle_softmax(const torch::Tensor& x);
@@ -44,13 +51,17 @@ torch::Tensor oracle_logsumexp(const torch::Tensor& x);
 /// Attention in float64 (out [B, Hq, Sq, D], lse [B, Hq, Sq]) from matmul and softmax: key j is
 /// visible to query i iff !causal or k_pos[j] <= q_pos[i] (positions: int64 [Sq] and [Sk]).
 /// GQA: query head h uses kv head h / (Hq / Hkv). A row without visible keys gives out 0 and
-/// lse -inf.
+/// lse -inf. A hidden key is left out of its row entirely: a NaN or inf in it (or in a query that
+/// cannot see it) never reaches that row's out, lse or gradients, as in a tiled kernel that never
+/// reads it. (matmul would multiply it by a weight of 0: 0 · NaN = NaN.) Inputs with a non-finite
+/// value therefore take a per-(query, key) path, O(B·H·Sq·Sk·D) memory: for small tests only.
 std::pair<torch::Tensor, torch::Tensor> oracle_attention(const torch::Tensor& q, const torch::Tensor& k,
                                                          const torch::Tensor& v, bool causal,
                                                          const torch::Tensor& q_pos, const torch::Tensor& k_pos,
                                                          double scale);
 
-/// Gradients (dq, dk, dv) in float64 of sum(out · dout) for oracle_attention's out, by autograd.
+/// Gradients (dq, dk, dv) in float64 of sum(out · dout) for oracle_attention's out, by autograd
+/// (the per-pair path when q, k, v or dout holds a non-finite value).
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> oracle_attention_grads(
     const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& dout, bool causal,
     const torch::Tensor& q_pos, const torch::Tensor& k_pos, double scale);
