@@ -58,7 +58,7 @@ void check_same_on_every_rank(Comm& comm, const torch::Tensor& t, const std::str
     const int64_t* f = row.data_ptr<int64_t>();
     // Every rank differs from some other rank, so every rank throws here: nobody waits.
     throw ErrorOnEveryRank(detail::concat(arg, ": every rank must pass the same shape and dtype; rank ", comm.rank(),
-                                          " has ", t.sizes(), " ", t.dtype(), ", rank ", peer, " has ",
+                                          " has ", t.sizes(), " ", t.scalar_type(), ", rank ", peer, " has ",
                                           torch::IntArrayRef(f + 1, f[0]), " ", c10::ScalarType(f[kFields - 1]),
                                           hint.empty() ? "" : ". ", hint),
                            __FILE__, __LINE__);

@@ -1,8 +1,9 @@
-# Fault tests of the mpi backend (issue 12): tests/fault_test.cpp runs one scenario per mpirun,
-# and tests/fault_check.cmake checks how the job ended. One CTest entry per scenario,
-# fault_<scenario>, labelled `mpi` and `fault`. The watchdog's timeout is 3 s here
-# (CP_MPI_TIMEOUT_S), mpirun kills a job after MPIEXEC_TIMEOUT seconds, and each entry has a
-# TIMEOUT, so that a regression shows as a failure within a minute, never as a hung CI job.
+# Fault tests of the mpi backend: tests/fault_test.cpp runs one scenario per mpirun, and
+# tests/fault_check.cmake checks how the job ended. One CTest entry per scenario,
+# fault_<scenario>, labelled `mpi`, `fault` and `solution` (make test runs them). The watchdog's
+# timeout is 3 s here (CP_MPI_TIMEOUT_S), mpirun kills a job after MPIEXEC_TIMEOUT seconds, and
+# each entry has a TIMEOUT, so that a regression shows as a failure within a minute, never as a
+# hung CI job.
 if(NOT CP_WITH_MPI)
   return()
 endif()
@@ -32,7 +33,7 @@ function(course_fault_test entry)
     COMMAND ${CMAKE_COMMAND} "-DCOMMAND=${command}" -DSTATUS=${ARG_STATUS} "-DREQUIRE=${ARG_REQUIRE}"
             "-DFORBID=${ARG_FORBID}" -DSECONDS=${ARG_SECONDS} -P ${PROJECT_SOURCE_DIR}/tests/fault_check.cmake)
   math(EXPR ctest_limit "${ARG_SECONDS} + 30")
-  set_tests_properties(fault_${entry} PROPERTIES LABELS "runtime;fault;mpi;cpu" TIMEOUT ${ctest_limit}
+  set_tests_properties(fault_${entry} PROPERTIES LABELS "runtime;solution;fault;mpi;cpu" TIMEOUT ${ctest_limit}
     ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;OMPI_MCA_rmaps_base_oversubscribe=1;CP_MPI_TIMEOUT_S=3;MPIEXEC_TIMEOUT=${ARG_SECONDS}")
 endfunction()
 
