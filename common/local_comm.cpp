@@ -213,6 +213,18 @@ class LocalWorld {
     }
   }
 
+  /// Withdraws the receives of a batch abandoned before wait() (its rank threw) that no send
+  /// has matched yet, as MPI_Cancel does: the peer's message then goes to this rank's next
+  /// receive instead of into a tensor nobody reads. Unmatched sends stay, as on MPI.
+  void withdraw_receives(const std::vector<OpPtr>& ops) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const OpPtr& op : ops) {
+      if (op->done || op->kind != P2POp::Kind::Recv) continue;
+      std::deque<OpPtr>& queue = recvs_[op->peer * size_ + op->owner];
+      queue.erase(std::remove(queue.begin(), queue.end(), op), queue.end());
+    }
+  }
+
   void finish(int rank) {
     std::lock_guard<std::mutex> lock(mutex_);
     ranks_[rank].finished = true;
@@ -317,12 +329,19 @@ class LocalBatch : public detail::PendingBatch {
  public:
   LocalBatch(std::shared_ptr<LocalWorld> world, int rank, std::vector<OpPtr> ops)
       : world_(std::move(world)), rank_(rank), ops_(std::move(ops)) {}
-  void wait() override { world_->wait(rank_, ops_); }
+  ~LocalBatch() override {
+    if (!waited_) world_->withdraw_receives(ops_);
+  }
+  void wait() override {
+    waited_ = true;
+    world_->wait(rank_, ops_);
+  }
 
  private:
   std::shared_ptr<LocalWorld> world_;
   int rank_;
   std::vector<OpPtr> ops_;
+  bool waited_ = false;
 };
 
 class LocalComm : public Comm {
