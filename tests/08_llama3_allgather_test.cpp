@@ -243,7 +243,7 @@ CP_TEST(Lesson08, Task3_StatsCountTheGatherAndThePairs) {
   });
 }
 
-CP_TEST(Lesson08, Task3_BadInputsAreClearErrors) {
+CP_TEST(Lesson08, Task3_BadInputGivesClearErrors) {
   run_local_world(2, [](Comm& comm) {  // counts once implemented
     const torch::Tensor t = torch::zeros({4, 1, 32});
     zigzag_llama3_attention_forward(comm, t, t, t, torch::tensor({0, 8}, torch::kLong));

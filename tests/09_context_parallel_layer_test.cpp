@@ -125,7 +125,7 @@ CP_TEST(Lesson09, Task2_LayerForwardMatchesOneDevice) {
   });
 }
 
-CP_TEST(Lesson09, Task2_BadShapesAreClearErrors) {
+CP_TEST(Lesson09, Task2_BadInputGivesClearErrors) {
   run_local_world(1, [](Comm& comm) {  // counts once implemented
     ContextParallelAttention layer(comm, ContextParallelAttentionOptions{kE, kHq, kHkv, Strategy::Ring});
     layer->forward(torch::zeros({1, 4, kE}));
