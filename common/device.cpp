@@ -29,6 +29,8 @@ std::string cuda_unavailable_reason() {
   return "this build runs CUDA on the CPU (chipStar), which executes kernels on raw buffers but has no "
          "LibTorch CUDA tensors; the kernel tests (suites ending in Kernels) check the same kernels";
 #elif !CP_TORCH_CUDA
+  // No GPU at all is the reason to give first: a CUDA LibTorch would not help there.
+  if (std::string no_device = cuda_runtime_unavailable_reason(); !no_device.empty()) return no_device;
   return "LibTorch is a CPU-only build (e.g. Debian's libtorch-dev); configure with a CUDA "
          "LibTorch (CMAKE_PREFIX_PATH) to run the CUDA path";
 #else
