@@ -53,8 +53,8 @@ test: setup build
 	cmake --build $(BUILD) --target docs
 
 demo: setup $(BUILD)/build.ninja
-	cmake --build $(BUILD) -j $(JOBS) --target lesson09_demo_solution
-	$(BUILD)/bin/lesson09_demo_solution --world 4 --out $(BUILD)/demo
+	cmake --build $(BUILD) -j $(JOBS) --target course_demo
+	$(BUILD)/bin/course_demo --world 4 --out $(BUILD)/demo
 	@echo
 	@echo "Lessons you have solved (make status for details): $$(tools/status --solved | sed 's/^$$/none yet/')"
 

@@ -23,7 +23,7 @@ void bench(cp::Comm& comm, const std::string& backend) {
                 backend.c_str(), comm.size());
     std::printf("# %-9s %10s %12s %12s\n", "strategy", "bytes", "latency_us", "GB_per_s");
   }
-  for (cp::Exchange how : {cp::Exchange::OddEven, cp::Exchange::SendRecv, cp::Exchange::Batched}) {
+  for (cp::ExchangeMethod how : {cp::ExchangeMethod::OddEven, cp::ExchangeMethod::SendRecv, cp::ExchangeMethod::Batched}) {
     for (int64_t bytes : {int64_t(4) << 10, int64_t(64) << 10, int64_t(1) << 20, int64_t(16) << 20, int64_t(64) << 20}) {
       const torch::Tensor send = torch::ones({bytes / 4});
       torch::Tensor recv = torch::empty_like(send);

@@ -1,8 +1,15 @@
 # course_add_lesson() and course_add_test(): how a lesson becomes libraries, test programs and
-# CTest entries (DESIGN.md §2, §5).
+# CTest entries (docs/architecture.md explains the whole build).
 
 set(CP_TEST_TIMEOUT 600 CACHE STRING "CTest TIMEOUT of each test entry, in seconds")
 file(MAKE_DIRECTORY ${PROJECT_BINARY_DIR}/kernel-results)
+
+# Compiles the C++ sources of `target` with a precompiled header made once by `donor`: cp_common
+# (LibTorch) for libraries and programs, cp_testing (LibTorch and GoogleTest) for test programs.
+# Every target shares the donor's compile flags, so GCC accepts its header.
+function(course_reuse_pch target donor)
+  target_precompile_headers(${target} REUSE_FROM ${donor})
+endfunction()
 
 # Registers the test program `exe` in CTest as <name>_local (in-process, world sizes
 # 1, 2, 3, 4, 8 on the local backend) and <name>_mpi<N> for each N in MPI_RANKS (under mpirun,
@@ -65,6 +72,7 @@ function(course_add_test)
   cmake_parse_arguments(ARG "" "NAME" "SOURCES;MPI_RANKS" ${ARGN})
   add_executable(${ARG_NAME}_test ${ARG_SOURCES})
   target_link_libraries(${ARG_NAME}_test PRIVATE cp_testing)
+  course_reuse_pch(${ARG_NAME}_test cp_testing)
   course_register_tests(${ARG_NAME}_test ${ARG_NAME} LABELS "${ARG_NAME};solution" MPI_RANKS ${ARG_MPI_RANKS})
 endfunction()
 
@@ -100,7 +108,7 @@ endfunction()
 # One lesson: for each variant (learner = lessons/NN_slug, solution = solutions/NN_slug) a
 # library lessonNN_<variant>, a test program lessonNN_<variant>_test built from
 # tests/NN_slug_test.cpp, and, if lessons/NN_slug/demo.cpp exists, lessonNN_demo_<variant>.
-# The learner variant links the *solutions* of the earlier lessons (DESIGN.md §2).
+# The learner variant links the *solutions* of the earlier lessons (docs/architecture.md).
 #   course_add_lesson(01 online_softmax MPI_RANKS 3 4)
 function(course_add_lesson nn slug)
   cmake_parse_arguments(ARG "" "" "MPI_RANKS" ${ARGN})
@@ -126,6 +134,7 @@ function(course_add_lesson nn slug)
     add_library(${lib} STATIC ${cpp_sources})
     target_include_directories(${lib} PUBLIC ${include_dirs})
     target_link_libraries(${lib} PUBLIC cp_common ${CP_SOLUTION_LIBRARIES})
+    course_reuse_pch(${lib} cp_common)
     if(CP_WITH_CUDA AND cu_sources)
       # Kernels never see torch: an object library with only the CUDA runtime and our headers.
       add_library(${lib}_kernels OBJECT ${cu_sources})
@@ -138,6 +147,7 @@ function(course_add_lesson nn slug)
 
     add_executable(${lib}_test ${PROJECT_SOURCE_DIR}/tests/${folder}_test.cpp)
     target_link_libraries(${lib}_test PRIVATE ${lib} cp_testing)
+    course_reuse_pch(${lib}_test cp_testing)
     if(cu_sources)
       set(kernels KERNELS)
     else()
@@ -148,6 +158,7 @@ function(course_add_lesson nn slug)
     if(EXISTS ${lesson_dir}/demo.cpp)
       add_executable(lesson${nn}_demo_${variant} ${lesson_dir}/demo.cpp)
       target_link_libraries(lesson${nn}_demo_${variant} PRIVATE ${lib})
+      course_reuse_pch(lesson${nn}_demo_${variant} cp_common)
     endif()
   endforeach()
 

@@ -14,9 +14,10 @@ struct BarSeries {
 };
 
 /// Writes a grouped bar chart: one group of bars per entry of `groups` (e.g. "rank 0"), one bar
-/// per series in each group, heights proportional to the values, and a legend. Throws
-/// cp::Error if the file cannot be written or a series has the wrong number of values.
+/// per series in each group, heights proportional to the values, each value printed above its
+/// bar, a value axis with ticks labelled `value_label`, and a legend. Throws cp::Error if the
+/// file cannot be written or a series has the wrong number of values.
 void write_bar_chart(const std::string& path, const std::string& title, const std::vector<std::string>& groups,
-                     const std::vector<BarSeries>& series);
+                     const std::vector<BarSeries>& series, const std::string& value_label = "");
 
 }  // namespace cp

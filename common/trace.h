@@ -3,6 +3,8 @@
 #pragma once
 
 #include <chrono>
+#include <cstdint>
+#include <map>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -17,17 +19,22 @@ class Trace {
   /// Records [start, end) of `name` on `lane` (e.g. "compute", "comm") of `rank`.
   void add(int rank, const std::string& lane, const std::string& name, Clock::time_point start,
            Clock::time_point end);
-  /// Writes the Chrome trace JSON ("X" events; one process per rank, one thread per lane).
+  /// Spans of `rank` recorded from now on carry {"phase": phase} in their args (e.g. the strategy
+  /// being run), so that the trace of several runs shows which span is whose; "" for none.
+  void set_phase(int rank, const std::string& phase);
+  /// Writes the Chrome trace JSON ("X" events in order of start, times in µs to the ns; one
+  /// process per rank, one thread per lane).
   void write(const std::string& path) const;
 
  private:
   struct Span {
     int rank;
-    std::string lane, name;
-    double start_us, duration_us;
+    std::string lane, name, phase;
+    int64_t start_ns, duration_ns;  // start from the trace's origin
   };
   mutable std::mutex mutex_;
   std::vector<Span> spans_;
+  std::map<int, std::string> phases_;  // rank -> phase of its next spans
   const Clock::time_point origin_ = Clock::now();
 };
 

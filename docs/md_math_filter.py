@@ -9,6 +9,8 @@ on the site:
   on one line, a space (or an opening parenthesis) before it and no letter or digit right after it.
   Do not put a formula inside ``"..."`` (Doxygen prints quoted text raw) or in a heading (Doxygen
   prints heading text raw): write the heading in words.
+  Likewise no code span in the text of a link to another ``.md`` page (``[`x.md`](x.md)``):
+  Doxygen prints its backticks.
 * display: a fenced block whose info string is ``math`` (its text is taken literally by GitHub)::
 
       ```math
@@ -21,6 +23,8 @@ on the site:
   a ```math block or in a code span.
 * a literal dollar sign in prose is ``\$``; anything in a code span or a code fence is code, and
   shell variables (``$HOME``, ``$(BUILD)``) belong there.
+* a heading may hold code spans: Doxygen prints heading text as plain text (``<tt>`` would show),
+  so the filter drops their backticks there; ``## Task 2 — `merge` `` reads "Task 2 — merge".
 * a code span may contain ``'``: the filter doubles its backticks, since Doxygen reads a
   single-backtick span with a ``'`` in it as a `quotation' (LaTeX style).
 * bold (``**...**``) may start or end with code or math: this filter writes every bold span as
@@ -43,6 +47,7 @@ FENCE = re.compile(r'^(\s*(?:>\s*)*)(`{3,}|~{3,})\s*([^`\s]*)')
 SHELLISH = re.compile(r'^([({]?[A-Z][A-Z0-9]+_[A-Z0-9_]+|[({][A-Z][A-Z0-9_]{2,}[)}]|[A-Z]{4,})'
                       r'(?=[\s/.,:;)}]|$)')
 ESCAPED_PUNCT = re.compile(r'\\[!-/:-@\[-`{-~]')
+HEADING = re.compile(r'^ {0,3}#{1,6}(\s|$)')
 
 
 class Block:
@@ -187,6 +192,13 @@ def convert(text, check=False):
             continue
         if check and stripped.startswith('#') and re.search(r'\$\S', stripped):
             notes.append((no, 'math in a heading: Doxygen prints it raw'))
+        if check and re.search(r'\[[^\]]*`[^\]]*\]\([^)\s]*\.md\b', line):
+            notes.append((no, 'code span in the text of a link to a .md page: Doxygen prints the backticks'))
+        if HEADING.match(line):  # Doxygen prints a heading as plain text: `code` would show <tt>
+            flush()
+            out.append(re.sub(r'(`+)(.+?)\1', r'\2', line))
+            base[0] = no + 1
+            continue
         if not para:
             base[0] = no
         para.append(line)

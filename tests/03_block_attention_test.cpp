@@ -137,7 +137,7 @@ void check_non_finite_with(const ForwardFn& forward, int64_t s, int64_t d, const
   const Inputs clean = random_inputs(c, 31);
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   std::vector<std::pair<std::string, AttentionMask>> masks = position_layouts(s);
-  masks.insert(masks.begin(), std::pair<std::string, AttentionMask>{"full", {false, {}, {}}});
+  masks.insert(masks.begin(), std::pair<std::string, AttentionMask>{"full", causal_mask(false)});
   for (const Poison& p : poisons(s, s)) {
     const Inputs in = poisoned(clean, p);
     for (const auto& [layout, mask] : masks) {
@@ -241,7 +241,7 @@ CP_TEST(Lesson03, Task1_MergeRejectsWrongShapesAndDtypes) {
 CP_TEST(Lesson03, Task2_ForwardMatchesTorch) {
   uint64_t seed = 10;
   for (const Case& c : kCases) check_forward(c, {c.causal, {}, {}}, torch::kCPU, torch::kFloat, seed++, "cpu");
-  check_forward({1, 3, 1, 45, 50, 24, true}, {true, {}, {}}, torch::kCPU, torch::kDouble, 3, "cpu");
+  check_forward({1, 3, 1, 45, 50, 24, true}, causal_mask(true), torch::kCPU, torch::kDouble, 3, "cpu");
 }
 
 CP_TEST(Lesson03, Task2_CausalMaskFromGlobalPositions) {
@@ -309,8 +309,9 @@ CP_TEST(Lesson03, Task2_BadInputGivesClearErrors) {
                "k: head dim 16 differs from q's 32");
   expect_error([&] { attention_block_forward(q, kv, kv, {true, torch::arange(7), {}}); },
                "mask.q_positions: expected an int64 tensor of shape [8]");
-  expect_error([&] { attention_block_forward(q, kv, kv, {true, {}, torch::arange(8).to(torch::kInt)}); },
-               "mask.k_positions: expected an int64 tensor");
+  AttentionMask int32_keys = causal_mask(true);
+  int32_keys.k_positions = torch::arange(8).to(torch::kInt);
+  expect_error([&] { attention_block_forward(q, kv, kv, int32_keys); }, "mask.k_positions: expected an int64 tensor");
 }
 
 // ── Task 3: the CUDA kernel through attention_block_forward() on CUDA tensors (GPU + CUDA LibTorch) ──
@@ -339,7 +340,7 @@ CP_TEST(Lesson03Cuda, Task3_SplitKMergeOnCudaAndUnsupportedHeadDim) {
   const Case c{2, 4, 4, 70, 130, 64, true};
   const Inputs in = random_inputs(c, 30);
   const torch::Tensor q = in.q.cuda(), k = in.k.cuda(), v = in.v.cuda();
-  const AttnResult whole = attention_block_forward(q, k, v, {true, {}, {}});
+  const AttnResult whole = attention_block_forward(q, k, v, causal_mask(true));
   const torch::Tensor q_pos = torch::arange(c.seq_q, torch::TensorOptions().dtype(torch::kLong).device(torch::kCUDA));
   torch::Tensor out_acc = torch::zeros({2, 4, 70, 64}, torch::kCUDA), lse_acc = torch::full({2, 4, 70}, -INFINITY, torch::kCUDA);
   for (int64_t from : {64, 0}) {  // the later half first

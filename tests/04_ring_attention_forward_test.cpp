@@ -51,7 +51,7 @@ CP_TEST(Lesson04, Task1_ForwardMatchesFullAttention) {
         const auto [out, lse] = oracle_attention(seq.q, seq.k, seq.v, causal, torch::arange(s), torch::arange(s),
                                                  1.0 / std::sqrt(static_cast<double>(p.head_dim)));
         const RingResult r = ring_attention_forward(comm, shard(seq.q, comm), shard(seq.k, comm), shard(seq.v, comm),
-                                                    {causal, {}, true, nullptr});
+                                                    ring_options(causal));
         const std::string what = std::string(causal ? "causal" : "full") + " rank " + std::to_string(comm.rank()) +
                                  " of " + std::to_string(comm.size());
         EXPECT_TRUE(all_close(r.out, shard(out, comm), "out " + what, {"b", "h", "s", "d"}));
@@ -85,7 +85,7 @@ CP_TEST(Lesson04, Task1_NanAndInfReachExactlyTheRowsThatSeeThem) {
       for (bool causal : {false, true}) {
         const auto [out, lse] = oracle_attention(seq.q, seq.k, seq.v, causal, torch::arange(s), torch::arange(s), scale);
         const RingResult r = ring_attention_forward(comm, shard(seq.q, comm), shard(seq.k, comm), shard(seq.v, comm),
-                                                    {causal, {}, true, nullptr});
+                                                    ring_options(causal));
         const std::string what = x.name + (causal ? ", causal" : ", full") + ", rank " + std::to_string(comm.rank()) +
                                  " of " + std::to_string(comm.size());
         EXPECT_TRUE(all_close_or_nan(r.out, shard(out, comm), "out " + what, {"b", "h", "s", "d"}));
@@ -103,7 +103,7 @@ CP_TEST(Lesson04, Task1_CausalSkipsExactlyTheLaterChunks) {
     const int64_t chunk_bytes = 2 * p.batch * p.heads_kv * p.chunk * p.head_dim * static_cast<int64_t>(sizeof(float));
     for (bool causal : {false, true}) {
       const RingStats stats =
-          ring_attention_forward(comm, shard(seq.q, comm), shard(seq.k, comm), shard(seq.v, comm), {causal, {}, true, nullptr})
+          ring_attention_forward(comm, shard(seq.q, comm), shard(seq.k, comm), shard(seq.v, comm), ring_options(causal))
               .stats;
       EXPECT_EQ(stats.steps_computed, causal ? r + 1 : n) << "rank " << r << " of " << n;
       EXPECT_EQ(stats.steps_skipped, causal ? n - 1 - r : 0) << "rank " << r << " of " << n;
@@ -123,7 +123,7 @@ CP_TEST(Lesson04, Task1_TheCallersTensorsAreNotOverwritten) {
     const torch::Tensor q = shard(seq.q, comm).contiguous(), k = shard(seq.k, comm).contiguous(),
                         v = shard(seq.v, comm).contiguous();
     const torch::Tensor q0 = q.clone(), k0 = k.clone(), v0 = v.clone();
-    ring_attention_forward(comm, q, k, v, {true, {}, true, nullptr});
+    ring_attention_forward(comm, q, k, v, ring_options(true));
     EXPECT_TRUE(torch::equal(q, q0) && torch::equal(k, k0) && torch::equal(v, v0))
         << "the ring must receive into buffers of its own, not into the caller's k or v";
   });
@@ -134,9 +134,11 @@ CP_TEST(Lesson04, Task1_OverlapOnAndOffGiveIdenticalResults) {
     const Sequence seq = make_sequence({1, 4, 2, 29, 64}, comm.size(), 11);
     for (bool causal : {false, true}) {
       const RingResult on = ring_attention_forward(comm, shard(seq.q, comm), shard(seq.k, comm), shard(seq.v, comm),
-                                                   {causal, {}, true, nullptr});
+                                                   ring_options(causal));
+      RingOptions no_overlap = ring_options(causal);
+      no_overlap.overlap = false;
       const RingResult off = ring_attention_forward(comm, shard(seq.q, comm), shard(seq.k, comm), shard(seq.v, comm),
-                                                    {causal, {}, false, nullptr});
+                                                    no_overlap);
       EXPECT_TRUE(torch::equal(on.out, off.out));
       EXPECT_TRUE(torch::equal(on.lse, off.lse));
     }
@@ -147,7 +149,7 @@ CP_TEST(Lesson04, Task1_TraceRecordsComputeAndCommunication) {
   Trace trace;
   run_local_world(3, [&](Comm& comm) {
     const Sequence seq = make_sequence({1, 1, 1, 16, 32}, 3, 5);
-    ring_attention_forward(comm, shard(seq.q, comm), shard(seq.k, comm), shard(seq.v, comm), {true, {}, true, &trace});
+    ring_attention_forward(comm, shard(seq.q, comm), shard(seq.k, comm), shard(seq.v, comm), ring_options(true, &trace));
   });
   // One file per process: under mpirun every rank runs this test.
   const std::string path =
@@ -174,8 +176,8 @@ CP_TEST(Lesson04, Task1_BadInputGivesClearErrors) {
   };
   RingOptions no_exchange;
   no_exchange.exchange = nullptr;
-  RingOptions short_layout;  // a layout that gives every rank one position too few
-  short_layout.layout.positions = [](int rank, int, int64_t chunk, torch::Device) {
+  RingOptions short_schedule;  // a schedule whose positions give every rank one position too few
+  short_schedule.schedule.positions = [](int rank, int, int64_t chunk, torch::Device) {
     return torch::arange(rank * chunk, (rank + 1) * chunk - 1, torch::kLong);
   };
   testing::expect_errors({
@@ -195,8 +197,8 @@ CP_TEST(Lesson04, Task1_BadInputGivesClearErrors) {
        }), "expected at least 4 dimension(s)"},
       {"an empty RingOptions::exchange", on_3_ranks([&](Comm& comm) { forward(comm, no_exchange); }),
        "options.exchange: empty"},
-      {"a layout whose positions are one short", on_3_ranks([&](Comm& comm) { forward(comm, short_layout); }),
-       "options.layout.positions: rank 0 of 3 must get int64 [S/N = 4], got [3]"},
+      {"a schedule whose positions are one short", on_3_ranks([&](Comm& comm) { forward(comm, short_schedule); }),
+       "options.schedule.positions: rank 0 of 3 must get int64 [S/N = 4], got [3]"},
   });
 }
 
@@ -212,7 +214,7 @@ CP_TEST(Lesson04Cuda, Task1_ForwardOnCudaForEveryDtypeAndHeadDim) {
           const int64_t s = q.size(2);
           const auto [out, lse] = oracle_attention(q, k, v, causal, torch::arange(s), torch::arange(s), scale);
           const RingResult r = ring_attention_forward(comm, shard(q, comm).cuda(), shard(k, comm).cuda(),
-                                                      shard(v, comm).cuda(), {causal, {}, true, nullptr});
+                                                      shard(v, comm).cuda(), ring_options(causal));
           const std::string what = "cuda " + std::string(c10::toString(dtype)) + " D=" + std::to_string(p.head_dim) +
                                    (causal ? " causal" : "");
           EXPECT_EQ(r.out.scalar_type(), dtype);

@@ -141,9 +141,9 @@ CP_TEST(Lesson05, Task1_CausalPositionsAndFullyMaskedRows) {
 
 /// Empty shapes through the public block backward: no keys (dq = 0), no queries (dk = dv = 0), no batch.
 void check_empty_block_backward(torch::Device device) {
-  check_block_backward(random_inputs(1, 2, 1, 10, 0, 32, 6), {false, {}, {}}, device, torch::kFloat, "no keys");
-  check_block_backward(random_inputs(1, 2, 1, 0, 10, 64, 7), {true, {}, {}}, device, torch::kFloat, "no queries");
-  check_block_backward(random_inputs(0, 2, 2, 5, 5, 128, 8), {false, {}, {}}, device, torch::kFloat, "no batch");
+  check_block_backward(random_inputs(1, 2, 1, 10, 0, 32, 6), causal_mask(false), device, torch::kFloat, "no keys");
+  check_block_backward(random_inputs(1, 2, 1, 0, 10, 64, 7), causal_mask(true), device, torch::kFloat, "no queries");
+  check_block_backward(random_inputs(0, 2, 2, 5, 5, 128, 8), causal_mask(false), device, torch::kFloat, "no batch");
 }
 
 CP_TEST(Lesson05, Task1_EmptyShapes) { check_empty_block_backward(torch::kCPU); }
@@ -180,7 +180,7 @@ CP_TEST(Lesson05Cuda, Task2_BlockBackwardOnCudaForEveryDtypeAndHeadDim) {
   for (auto dtype : {torch::kFloat, torch::kHalf, torch::kBFloat16})
     for (int64_t d : {32, 64, 128})
       for (bool causal : {false, true})
-        check_block_backward(random_inputs(2, 4, 2, 70, 97, d, seed++), {causal, {}, {}}, torch::kCUDA, dtype, "cuda");
+        check_block_backward(random_inputs(2, 4, 2, 70, 97, d, seed++), causal_mask(causal), torch::kCUDA, dtype, "cuda");
   check_block_backward(random_inputs(1, 2, 1, 40, 40, 64, 3), {true, torch::arange(40), torch::arange(40) + 20},
                        torch::kCUDA, torch::kFloat, "cuda, half the rows fully masked");
 }
@@ -201,7 +201,8 @@ void check_ring_backward(Comm& comm, torch::Device device, torch::ScalarType dty
   const auto [dq, dk, dv] = oracle_attention_grads(in.q.to(dtype), in.k.to(dtype), in.v.to(dtype), in.dout.to(dtype),
                                                    causal, torch::arange(s), torch::arange(s),
                                                    1.0 / std::sqrt(static_cast<double>(d)));
-  const RingOptions options{causal, {}, overlap, nullptr};
+  RingOptions options = ring_options(causal);
+  options.overlap = overlap;
   const RingResult fwd = ring_attention_forward(comm, mine(in.q), mine(in.k), mine(in.v), options);
   const RingGrads g = ring_attention_backward(comm, mine(in.dout), mine(in.q), mine(in.k), mine(in.v), fwd.out, fwd.lse,
                                               options);
@@ -231,7 +232,7 @@ CP_TEST(Lesson05, Task3_RingBackwardNanReachesExactlyTheGradientsThatDependOnIt)
       for (bool causal : {false, true}) {
         const auto [dq, dk, dv] = oracle_attention_grads(in.q, in.k, in.v, in.dout, causal, torch::arange(s),
                                                          torch::arange(s), 1.0 / std::sqrt(static_cast<double>(d)));
-        const RingOptions options{causal, {}, true, nullptr};
+        const RingOptions options = ring_options(causal);
         const RingResult fwd = ring_attention_forward(comm, shard(in.q, comm), shard(in.k, comm), shard(in.v, comm), options);
         const RingGrads g = ring_attention_backward(comm, shard(in.dout, comm), shard(in.q, comm), shard(in.k, comm),
                                                     shard(in.v, comm), fwd.out, fwd.lse, options);
@@ -250,7 +251,8 @@ CP_TEST(Lesson05, Task3_OverlapOnAndOffGiveIdenticalGradients) {
     const Inputs in = random_inputs(1, 2, 2, 23 * comm.size(), 23 * comm.size(), 32, 5);
     RingGrads results[2];
     for (bool overlap : {false, true}) {
-      const RingOptions options{true, {}, overlap, nullptr};
+      RingOptions options = ring_options(true);
+      options.overlap = overlap;
       const RingResult fwd = ring_attention_forward(comm, shard(in.q, comm), shard(in.k, comm), shard(in.v, comm), options);
       results[overlap] = ring_attention_backward(comm, shard(in.dout, comm), shard(in.q, comm), shard(in.k, comm),
                                                  shard(in.v, comm), fwd.out, fwd.lse, options);

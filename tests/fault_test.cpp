@@ -40,7 +40,7 @@ int next_of(const Comm& comm) { return (comm.rank() + 1) % comm.size(); }
 int prev_of(const Comm& comm) { return (comm.rank() + comm.size() - 1) % comm.size(); }
 
 void throw_after_start(Comm& comm) {
-  const int64_t n = 32768;  // 128 KiB of float32: a rendezvous message, as in the probe of issue 12
+  const int64_t n = 32768;  // 128 KiB of float32: a rendezvous message, large enough to be sent by rendezvous
   const torch::Tensor out = torch::full({n}, static_cast<float>(comm.rank()));
   torch::Tensor in = torch::empty({n});
   cp::Request request = comm.start({P2POp::send(out, next_of(comm)), P2POp::recv(in, prev_of(comm))});

@@ -10,6 +10,7 @@ endif()
 
 add_executable(fault_test ${PROJECT_SOURCE_DIR}/tests/fault_test.cpp)
 target_link_libraries(fault_test PRIVATE cp_common)
+course_reuse_pch(fault_test cp_common)
 
 # course_fault_test(<entry> [SCENARIO <scenario>] NP <n> STATUS zero|nonzero REQUIRE <regex>...
 #                   [FORBID <regex>...] [SECONDS <max>]): runs fault_test <scenario> (default:

@@ -1,7 +1,7 @@
 // Lesson 01 demo: the online state at work, step by step, then the three softmaxes side by side.
 //
 //   build/bin/lesson01_demo_learner    runs your code
-//   build/bin/lesson01_demo_solution   runs the solution (make demo)
+//   build/bin/lesson01_demo_solution   runs the solution
 #include <torch/cuda.h>
 #include <torch/types.h>
 #include <torch/utils.h>

@@ -1,3 +1,5 @@
+// GENERATED from solutions/01_online_softmax/online_softmax.cpp by tools/skeleton.
+// Learners: write between BEGIN YOUR CODE and END YOUR CODE. Maintainers: edit the solution, then run make skeletons.
 // Lesson 01, tasks 2 and 3 — safe and online softmax on the CPU, and the dispatch to CUDA.
 #include "online_softmax.h"
 
@@ -18,10 +20,8 @@ namespace {
 template <typename T>
 void safe_softmax_row(const T* x, T* y, int64_t n) {
   // BEGIN YOUR CODE task 2: the three passes
-  // TODO(lesson 01, task 2): pass 1 finds the maximum m, pass 2 sums exp(x - m),
-  // pass 3 writes exp(x - m) / sum. A row of -inf only (m = -inf) gives zeros. Sum in
-  // double: thousands of float32 terms added one by one lose ~1e-5 relative accuracy. A NaN
-  // must reach the output (std::max drops it: a NaN x makes m NaN).
+  // TODO(lesson 01, task 2): three passes over the row: the maximum m, the sum of exp(x - m), y = exp(x - m) / sum.
+  // README, "Task 2 — `safe_softmax_row` on the CPU (`online_softmax.cpp`)".
   (void)x, (void)y, (void)n;
   throw NotImplemented("lesson 01, task 2: safe softmax of one row");
   // END YOUR CODE
@@ -39,9 +39,8 @@ constexpr int kLanes = 32;
 template <typename T>
 SoftmaxState row_state(const T* x, int64_t n) {
   // BEGIN YOUR CODE task 3: one pass over the row
-  // TODO(lesson 01, task 3): keep kLanes states, add x[j] to lane j % kLanes, then merge
-  // the lanes into one state. (A single state works too but loses accuracy on long rows:
-  // see "Rounding" in the README.)
+  // TODO(lesson 01, task 3): the row's state in one pass, in kLanes partial states merged at the end.
+  // README, "Task 3 — `row_state` and `normalise_row` on the CPU (`online_softmax.cpp`)".
   (void)x, (void)n;
   throw NotImplemented("lesson 01, task 3: row_state (one pass over the row)");
   // END YOUR CODE

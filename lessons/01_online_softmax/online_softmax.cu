@@ -1,3 +1,5 @@
+// GENERATED from solutions/01_online_softmax/online_softmax.cu by tools/skeleton.
+// Learners: write between BEGIN YOUR CODE and END YOUR CODE. Maintainers: edit the solution, then run make skeletons.
 // Lesson 01, task 4 — the online softmax kernel: one warp per row.
 //
 // Each lane walks the row with stride 32 (neighbouring lanes read neighbouring elements, so
@@ -35,16 +37,15 @@ __global__ void online_softmax_kernel(const T* __restrict__ x,  // [rows, n]
   SoftmaxState state = SoftmaxState::empty();
 
   // BEGIN YOUR CODE task 4: per-lane states and the warp merge
-  // TODO(lesson 01, task 4): (a) each lane adds x_row[lane], x_row[lane + 32], ... (below
-  // row_len) to `state`, its own SoftmaxState; (b) merge the 32 states with __shfl_xor_sync
-  // (offsets 16, 8, 4, 2, 1: shuffle m and l, then merge()). Every lane runs every shuffle.
+  // TODO(lesson 01, task 4): (a) each lane's state of its elements, (b) the butterfly merge with __shfl_xor_sync.
+  // README, "Task 4 — the warp-per-row CUDA kernel (`online_softmax.cu`)" and "How the CUDA kernel works".
   (void)x_row, (void)lane, (void)row_len;
   // END YOUR CODE
   if (!active) return;  // past the last shuffle: an idle warp may leave now
 
   // BEGIN YOUR CODE task 4: write lse and y
-  // TODO(lesson 01, task 4): (c) lane 0 writes lse[row] if lse is not null, and the lanes
-  // write y[j] = exp(x[j] - m) / l (0 for an empty state, l = 0; NaN if l is NaN) if y is not null.
+  // TODO(lesson 01, task 4): (c) lane 0 writes lse[row], the lanes write y (each unless its pointer is null).
+  // README, "Task 4 — the warp-per-row CUDA kernel (`online_softmax.cu`)".
   (void)y, (void)lse, (void)state;
   // END YOUR CODE
 }
@@ -57,9 +58,8 @@ void launch_online_softmax(const void* x, void* y, float* lse, int64_t rows, int
   CP_CHECK(blocks <= INT32_MAX, "x: too many rows for one launch (", rows, ")");
   if (rows == 0) return;  // a grid of zero blocks is a launch error, and there is nothing to do
   // BEGIN YOUR CODE task 4: launch the kernel
-  // TODO(lesson 01, task 4): launch online_softmax_kernel<T> with `blocks` blocks of
-  // kWarpsPerBlock warps on `stream`, T picked by kernels::dispatch_dtype(dtype, ...);
-  // then check the launch with CUDA_CHECK_LAUNCH().
+  // TODO(lesson 01, task 4): launch online_softmax_kernel<T>, T from kernels::dispatch_dtype, and check the launch.
+  // README, "Task 4 — the warp-per-row CUDA kernel (`online_softmax.cu`)".
   (void)x, (void)y, (void)lse, (void)n, (void)dtype, (void)stream;
   throw NotImplemented("lesson 01, task 4: launch_online_softmax");
   // END YOUR CODE

@@ -1,3 +1,5 @@
+// GENERATED from solutions/01_online_softmax/softmax_state.h by tools/skeleton.
+// Learners: write between BEGIN YOUR CODE and END YOUR CODE. Maintainers: edit the solution, then run make skeletons.
 // Lesson 01, task 1 — the online softmax state (m, l): adding a value, merging two states.
 //
 // Compiled by both the C++ compiler and nvcc: everything here is CP_HOST_DEVICE so that the
@@ -25,10 +27,8 @@ struct SoftmaxState {
   /// Adds one value: the online update, one exp per value.
   CP_HOST_DEVICE void add(float x) {
     // BEGIN YOUR CODE task 1: add one value
-    // TODO(lesson 01, task 1): if x is a new maximum, rescale l to it (the correction
-    // factor exp(m_old - m_new)) before adding exp(x - m_new) = 1; else add exp(x - m).
-    // -inf contributes nothing, and must not produce exp(-inf - (-inf)) = NaN. A NaN x counts
-    // as a new maximum (m = l = NaN: never drop it), and x = +inf adds exp(inf - inf) = NaN, not 1.
+    // TODO(lesson 01, task 1): add x to the state with one exp (the online update).
+    // README, "Task 1 — the state: `SoftmaxState::add` and `merge` (`softmax_state.h`)": -inf, NaN and +inf.
     CP_NOT_IMPLEMENTED_HD("lesson 01, task 1: SoftmaxState::add");
     // END YOUR CODE
   }
@@ -45,9 +45,8 @@ struct SoftmaxState {
 /// a warp, a ring of GPUs).
 CP_HOST_DEVICE inline SoftmaxState merge(SoftmaxState a, SoftmaxState b) {
   // BEGIN YOUR CODE task 1: merge two states
-  // TODO(lesson 01, task 1): take the larger maximum, rescale both sums to it, add them.
-  // Both states may be empty (m = -inf): never evaluate exp(-inf - (-inf)). A NaN maximum
-  // must win (fmaxf and std::max drop NaN).
+  // TODO(lesson 01, task 1): the state of the union: rescale both sums to the larger maximum, add them.
+  // README, "Task 1 — the state: `SoftmaxState::add` and `merge` (`softmax_state.h`)": empty states, a NaN maximum.
   CP_NOT_IMPLEMENTED_HD("lesson 01, task 1: merge(SoftmaxState, SoftmaxState)");
   return SoftmaxState::empty();
   // END YOUR CODE

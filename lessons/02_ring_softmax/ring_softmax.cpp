@@ -1,3 +1,5 @@
+// GENERATED from solutions/02_ring_softmax/ring_softmax.cpp by tools/skeleton.
+// Learners: write between BEGIN YOUR CODE and END YOUR CODE. Maintainers: edit the solution, then run make skeletons.
 // Lesson 02 — distributed ring softmax: three ways for the ranks to agree on each row's state.
 //
 // Only the per-row states (two float32 numbers per row) travel; the shards never move. States
@@ -21,8 +23,8 @@ RowStates unpack(const torch::Tensor& packed) { return {packed[0], packed[1]}; }
 /// Task 1: softmax of the local shard under the global state: exp(x − m) / l, 0 where l = 0.
 torch::Tensor normalise_with(const torch::Tensor& x, const RowStates& global) {
   // BEGIN YOUR CODE task 1: normalise the shard with the global state
-  // TODO(lesson 02, task 1): broadcast m and l over the last dim (unsqueeze(-1)); rows
-  // with l = 0 (−inf everywhere) give zeros, and must not compute −inf − (−inf).
+  // TODO(lesson 02, task 1): exp(x − m) / l under the global state, zeros where l = 0, in x's dtype.
+  // README, "Task 1 — states on tensors: `local_row_states`, `merge_row_states`, `normalise_with`".
   (void)x, (void)global;
   throw NotImplemented("lesson 02, task 1: normalise_with");
   // END YOUR CODE
@@ -32,9 +34,8 @@ torch::Tensor normalise_with(const torch::Tensor& x, const RowStates& global) {
 
 RowStates local_row_states(const torch::Tensor& x) {
   // BEGIN YOUR CODE task 1: the local states
-  // TODO(lesson 02, task 1): m = the row max (−inf for an empty shard: max over zero
-  // columns is an error, so handle it), l = Σ exp(x − m) with a finite stand-in for m where
-  // m = −inf. Compute in float32 whatever x's dtype.
+  // TODO(lesson 02, task 1): the float32 state (m, l) of every row of x, also for a shard of zero columns.
+  // README, "Task 1 — states on tensors: `local_row_states`, `merge_row_states`, `normalise_with`".
   (void)x;
   throw NotImplemented("lesson 02, task 1: local_row_states");
   // END YOUR CODE
@@ -42,9 +43,8 @@ RowStates local_row_states(const torch::Tensor& x) {
 
 RowStates merge_row_states(const RowStates& a, const RowStates& b) {
   // BEGIN YOUR CODE task 1: merge states row by row
-  // TODO(lesson 02, task 1): lesson 01's merge on whole tensors: m = max(m_a, m_b),
-  // l = l_a·exp(m_a − m) + l_b·exp(m_b − m). Where both are empty, m = −inf: use a finite
-  // stand-in for m there so that exp(−inf − m) = 0 instead of NaN.
+  // TODO(lesson 02, task 1): lesson 01's merge, row-wise on whole tensors, safe where both states are empty.
+  // README, "Task 1 — states on tensors: `local_row_states`, `merge_row_states`, `normalise_with`".
   (void)a, (void)b;
   throw NotImplemented("lesson 02, task 1: merge_row_states");
   // END YOUR CODE
@@ -55,9 +55,8 @@ namespace {
 /// Task 2: 0 → 1 → … → N−1, then N−1 broadcasts.
 RowStates chain(Comm& comm, const RowStates& mine) {
   // BEGIN YOUR CODE task 2: the chain
-  // TODO(lesson 02, task 2): receive the running state from rank r−1 (rank 0 starts
-  // with its own), merge yours, send it to r+1; rank N−1 then broadcasts the result.
-  // Hint: pack() the two tensors into one message; blocking send/recv are fine here.
+  // TODO(lesson 02, task 2): receive from r−1, merge yours, send to r+1; then rank N−1 broadcasts the result.
+  // README, "Task 2 — `Chain`".
   (void)comm, (void)mine;
   throw NotImplemented("lesson 02, task 2: chain");
   // END YOUR CODE
@@ -66,9 +65,8 @@ RowStates chain(Comm& comm, const RowStates& mine) {
 /// Task 3: every state travels N−1 hops around the ring.
 RowStates ring(Comm& comm, const RowStates& mine) {
   // BEGIN YOUR CODE task 3: the ring
-  // TODO(lesson 02, task 3): N−1 steps; at each, sendrecv the state you received last
-  // (your own at step 0) to r+1 while receiving from r−1, and merge what arrives into
-  // your accumulator. Forward what you received, not your accumulator.
+  // TODO(lesson 02, task 3): N−1 sendrecv steps: forward what you received last, merge it into your accumulator.
+  // README, "Task 3 — `Ring`".
   (void)comm, (void)mine;
   throw NotImplemented("lesson 02, task 3: ring");
   // END YOUR CODE
@@ -77,9 +75,8 @@ RowStates ring(Comm& comm, const RowStates& mine) {
 /// Task 4: all_reduce(max), then all_reduce(sum of exp(x − m)).
 RowStates two_all_reduce(Comm& comm, const torch::Tensor& x) {
   // BEGIN YOUR CODE task 4: two all-reduces
-  // TODO(lesson 02, task 4): start from the local states; all_reduce(Max) their m; then
-  // l = Σ exp(x − m_global) over the shard (0 for rows that are −inf everywhere), and
-  // all_reduce(Sum) of it.
+  // TODO(lesson 02, task 4): all_reduce(Max) of the row maxima, then all_reduce(Sum) of Σ exp(x − M).
+  // README, "Task 4 — `TwoAllReduce`".
   (void)comm, (void)x;
   throw NotImplemented("lesson 02, task 4: two_all_reduce");
   // END YOUR CODE

@@ -1,3 +1,5 @@
+// GENERATED from solutions/03_block_attention/block_attention.cu by tools/skeleton.
+// Learners: write between BEGIN YOUR CODE and END YOUR CODE. Maintainers: edit the solution, then run make skeletons.
 // Lesson 03, task 3 — block attention forward on the GPU: tiles of keys through shared memory,
 // (m, l, O) per query row in registers.
 //
@@ -13,6 +15,7 @@
 #include "common/cuda_check.h"
 #include "common/error.h"
 #include "kernels/dtype.cuh"
+#include "kernels/tile.cuh"
 #include "kernels/warp.cuh"
 
 namespace cp {
@@ -23,13 +26,12 @@ using kernels::kFullWarp;
 constexpr int kBr = 64;        // query rows per block
 constexpr int kBc = 32;        // keys per tile
 constexpr int kSlice = 32;     // dims per thread
-constexpr int kSlicePad = 33;  // a slice's stride in shared memory: the group's threads hit different banks
 
 template <int D>
-constexpr int kRowStride = (D / kSlice) * kSlicePad;  // floats per key in shared memory
+using Tile = kernels::PaddedTile<D, kSlice>;  // a key's D floats in shared memory, padded per slice
 
 template <int D>
-constexpr size_t kSharedBytes = 2 * kBc * kRowStride<D> * sizeof(float);  // the K and V tiles
+constexpr size_t kSharedBytes = 2 * kBc * Tile<D>::kStride * sizeof(float);  // the K and V tiles
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kBr * (D / kSlice))
@@ -43,8 +45,8 @@ __global__ void __launch_bounds__(kBr * (D / kSlice))
                                    BlockAttentionParams p) {
   constexpr int kGroup = D / kSlice;  // threads per query row
   extern __shared__ float smem[];
-  float* k_tile = smem;                         // [kBc][kRowStride]
-  float* v_tile = smem + kBc * kRowStride<D>;  // [kBc][kRowStride]
+  float* k_tile = smem;                          // [kBc][Tile::kStride]
+  float* v_tile = smem + kBc * Tile<D>::kStride;  // [kBc][Tile::kStride]
   __shared__ int64_t kpos_tile[kBc];
   __shared__ int64_t block_max_q_pos;
 
@@ -87,21 +89,13 @@ __global__ void __launch_bounds__(kBr * (D / kSlice))
       }
     }
 
-    for (int idx = t; idx < kBc * D; idx += blockDim.x) {  // consecutive threads, consecutive dims
-      const int jj = idx / D, dd = idx % D;
-      const int s = jj * kRowStride<D> + (dd / kSlice) * kSlicePad + dd % kSlice;
-      k_tile[s] = jj < n ? kernels::to_float(k_head[(j0 + jj) * D + dd]) : 0.0f;
-      v_tile[s] = jj < n ? kernels::to_float(v_head[(j0 + jj) * D + dd]) : 0.0f;
-    }
+    Tile<D>::template load<kBc>(k_tile, k_head, j0, n);
+    Tile<D>::template load<kBc>(v_tile, v_head, j0, n);
     __syncthreads();  // the K and V tiles are complete
 
     // BEGIN YOUR CODE task 3: scores of the tile and the (m, l, O) update
-    // TODO(lesson 03, task 3): (a) for each key jj of the tile: the partial dot product of
-    // q_reg with your slice of k_tile (row jj, slice g), summed over the row group with
-    // __shfl_xor_sync (offsets kGroup/2 … 1); -inf if jj >= n or (causal and
-    // kpos_tile[jj] > my_pos). (b) if the tile has a visible key: m_new = max(m, tile max),
-    // rescale l and o by exp(m − m_new), add exp(s − m_new) to l and exp(s − m_new)·v to o for
-    // the keys with s > -inf. NaN is never a masked key: the maxima must keep it (fmaxf drops it).
+    // TODO(lesson 03, task 3): (a) the tile's scores (dot product, shuffle, mask), then the (m, l, O) update.
+    // README, "Task 3 — the CUDA kernel and its launch (`block_attention.cu`)", (a): steps 4 and 5.
     (void)m, (void)l, (void)my_pos, (void)q_reg;
     // END YOUR CODE
     __syncthreads();  // every row is done with the tiles before the next iteration overwrites them
@@ -109,8 +103,8 @@ __global__ void __launch_bounds__(kBr * (D / kSlice))
 
   if (!active) return;
   // BEGIN YOUR CODE task 3: write out and lse
-  // TODO(lesson 03, task 3): out = O / l (0 if l = 0: no visible key), lse = m + log l
-  // (-inf if l = 0, +inf if m = +inf), written by one thread of the row group.
+  // TODO(lesson 03, task 3): (b) out = O / l and lse = m + log l of the row.
+  // README, "Task 3 — the CUDA kernel and its launch (`block_attention.cu`)", (b).
   (void)out, (void)lse;
   // END YOUR CODE
 }
@@ -126,8 +120,8 @@ void launch(const void* q, const void* k, const void* v, void* out, float* lse, 
            kSharedBytes<D>, " bytes of shared memory per block, the device allows ", max_shared);
   const dim3 grid(static_cast<unsigned>(p.batch * p.heads_q), static_cast<unsigned>((p.seq_q + kBr - 1) / kBr));
   // BEGIN YOUR CODE task 3: launch
-  // TODO(lesson 03, task 3): launch `kernel` on `grid` with kBr·(D/kSlice) threads,
-  // kSharedBytes<D> bytes of dynamic shared memory, on `stream`; check the launch.
+  // TODO(lesson 03, task 3): (c) launch `kernel` on `grid`, with its threads and dynamic shared memory, and check it.
+  // README, "Task 3 — the CUDA kernel and its launch (`block_attention.cu`)", (c).
   (void)kernel, (void)grid, (void)q, (void)k, (void)v, (void)out, (void)lse, (void)q_pos, (void)k_pos,
   (void)stream;
   throw NotImplemented("lesson 03, task 3: launch the block attention kernel");

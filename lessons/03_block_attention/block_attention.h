@@ -20,6 +20,13 @@ struct AttentionMask {
   torch::Tensor k_positions;  ///< [Sk] int64, on q's device; undefined: 0 .. Sk−1
 };
 
+/// A mask by name: causal or not, positions 0 .. S−1 (set the positions by name when they differ).
+inline AttentionMask causal_mask(bool causal) {
+  AttentionMask mask;
+  mask.causal = causal;
+  return mask;
+}
+
 /// An attention result: out in the input dtype, lse float32.
 struct AttnResult {
   torch::Tensor out;  ///< [B, Hq, Sq, D]

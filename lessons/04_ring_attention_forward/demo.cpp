@@ -2,7 +2,7 @@
 // single-device attention over the whole sequence — errors, work per rank, bytes, time — and a
 // Chrome trace of the compute and communication spans.
 //
-//   build/bin/lesson04_demo_solution --world 4 --trace build/ring_trace.json     (make demo)
+//   build/bin/lesson04_demo_solution --world 4 --trace build/ring_trace.json
 //   build/bin/lesson04_demo_learner  ...                                         (your code)
 //   mpirun -np 4 build/bin/lesson04_demo_solution --backend nccl                 (4 GPUs)
 #include <torch/cuda.h>
@@ -29,12 +29,12 @@ void run(cp::Comm& comm, torch::Device device, int64_t seq, bool causal, cp::Tra
   const torch::Tensor q = torch::randn({batch, heads, seq, dim}, gen).to(device),
                       k = torch::randn({batch, heads, seq, dim}, gen).to(device),
                       v = torch::randn({batch, heads, seq, dim}, gen).to(device);
-  const cp::AttnResult whole = cp::attention_block_forward(q, k, v, {causal, {}, {}});  // one device, all keys
+  const cp::AttnResult whole = cp::attention_block_forward(q, k, v, cp::causal_mask(causal));  // one device, all keys
   const int64_t chunk = seq / comm.size();
   auto mine = [&](const torch::Tensor& t) { return t.narrow(2, comm.rank() * chunk, chunk).contiguous(); };
   comm.barrier();
   const auto start = std::chrono::steady_clock::now();
-  const cp::RingResult r = cp::ring_attention_forward(comm, mine(q), mine(k), mine(v), {causal, {}, true, trace});
+  const cp::RingResult r = cp::ring_attention_forward(comm, mine(q), mine(k), mine(v), cp::ring_options(causal, trace));
   if (device.is_cuda()) torch::cuda::synchronize();
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   const torch::Tensor finite = mine(whole.lse).isfinite();

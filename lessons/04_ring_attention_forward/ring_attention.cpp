@@ -1,3 +1,5 @@
+// GENERATED from solutions/04_ring_attention_forward/ring_attention.cpp by tools/skeleton.
+// Learners: write between BEGIN YOUR CODE and END YOUR CODE. Maintainers: edit the solution, then run make skeletons.
 // Lesson 04 — ring attention forward: K/V chunks go around the ring while each rank computes.
 #include "ring_attention.h"
 
@@ -15,8 +17,8 @@ AttentionMask plan_mask(const BlockPlan& plan, const torch::Tensor& q_positions,
           k_positions.narrow(0, plan.k_begin, plan.k_len)};
 }
 
-RingLayout contiguous_layout() {
-  RingLayout layout;
+RingSchedule contiguous_schedule() {
+  RingSchedule layout;
   layout.positions = [](int rank, int, int64_t chunk, torch::Device device) {
     return torch::arange(rank * chunk, (rank + 1) * chunk, torch::TensorOptions().dtype(torch::kLong).device(device));
   };
@@ -49,14 +51,14 @@ int64_t check_ring_inputs(Comm& comm, const torch::Tensor& q, const torch::Tenso
            k.size(2));
   const int64_t chunk = q.size(2);
   CP_CHECK(options.exchange, "options.exchange: empty; leave the default (batched_ring_exchange) or set a strategy");
-  CP_CHECK(options.layout.positions && options.layout.plan,
-           "options.layout: positions and plan must both be set (e.g. contiguous_layout())");
+  CP_CHECK(options.schedule.positions && options.schedule.plan,
+           "options.schedule: positions and plan must both be set (e.g. contiguous_schedule())");
   // A layout is the caller's code: check that it places exactly S/N tokens on every rank, or
   // the masks below would silently use the wrong tokens' positions.
   for (int r = 0; r < comm.size(); ++r) {
-    const torch::Tensor pos = options.layout.positions(r, comm.size(), chunk, q.device());
+    const torch::Tensor pos = options.schedule.positions(r, comm.size(), chunk, q.device());
     CP_CHECK(pos.defined() && pos.dim() == 1 && pos.size(0) == chunk && pos.scalar_type() == torch::kLong,
-             "options.layout.positions: rank ", r, " of ", comm.size(), " must get int64 [S/N = ", chunk, "], got ",
+             "options.schedule.positions: rank ", r, " of ", comm.size(), " must get int64 [S/N = ", chunk, "], got ",
              pos.defined() ? pos.sizes() : torch::IntArrayRef{}, " ", pos.defined() ? pos.dtype() : caffe2::TypeMeta());
   }
   return chunk;
@@ -66,19 +68,12 @@ RingResult ring_attention_forward(Comm& comm, const torch::Tensor& q, const torc
                                   const RingOptions& options) {
   const int64_t chunk = check_ring_inputs(comm, q, k, v, options);
   const int rank = comm.rank(), n = comm.size();
-  const torch::Tensor q_pos = options.layout.positions(rank, n, chunk, q.device());
+  const torch::Tensor q_pos = options.schedule.positions(rank, n, chunk, q.device());
 
   RingResult result;
   // BEGIN YOUR CODE task 1: the ring loop
-  // TODO(lesson 04, task 1): float32 accumulators out (zeros) and lse (-inf). The chunk in hand
-  // starts as the caller's k, v (never write into them); arriving chunks alternate between two
-  // buffers of your own (receive into one while computing on the other). For t = 0 … N−1, the current chunk comes from rank
-  // (r − t) mod N. (a) If t < N−1 and options.overlap: start the exchange with
-  // options.exchange — send the current chunk to r+1, receive the next from r−1 — before computing.
-  // (b) plan = options.layout.plan(rank, source, N, chunk, causal); unless !plan.compute:
-  // attention_block_forward of the planned query rows against the planned K/V rows, with the
-  // positions of options.layout, merged into the planned rows of the accumulators (narrow views). (c) Without overlap, do the exchange now; then wait: the arrived chunk is current.
-  // Fill result.stats (a StepWork per computed step); out in q's dtype at the end. Record TraceSpans if options.trace is set.
+  // TODO(lesson 04, task 1): the ring loop: N steps of exchange, block and merge, with the stats and trace spans.
+  // README, "Task 1 — the ring loop (`ring_attention.cpp`)" and "The ring, step by step".
   (void)options, (void)q_pos, (void)rank, (void)n;
   throw NotImplemented("lesson 04, task 1: the ring loop");
   // END YOUR CODE

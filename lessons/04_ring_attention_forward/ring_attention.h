@@ -41,17 +41,18 @@ struct BlockPlan {
 /// The mask of a planned block: the planned rows' positions, causal only if the plan says so.
 AttentionMask plan_mask(const BlockPlan& plan, const torch::Tensor& q_positions, const torch::Tensor& k_positions);
 
-/// How a sequence is laid out over the ranks, as far as the ring is concerned: the global
-/// positions of a rank's tokens, and the block to compute when rank `rank` holds the K/V chunk of
-/// rank `source`. Lesson 04 uses the contiguous layout; lesson 07 adds the zig-zag one.
-struct RingLayout {
+/// What the ring computes at each step, for one token layout (which tokens a rank holds): the
+/// global positions of a rank's tokens, and the block to compute when rank `rank` holds the K/V
+/// chunk of rank `source`. Lesson 04 has the schedule of the contiguous layout; lesson 07 adds
+/// those of the zig-zag and stripe layouts.
+struct RingSchedule {
   std::function<torch::Tensor(int rank, int world, int64_t chunk, torch::Device device)> positions;
   std::function<BlockPlan(int rank, int source, int world, int64_t chunk, bool causal)> plan;
 };
 
 /// Rank r holds tokens [r·chunk, (r+1)·chunk). Causal: the own chunk with the mask, earlier chunks
 /// whole without it, later chunks skipped.
-RingLayout contiguous_layout();
+RingSchedule contiguous_schedule();
 
 /// Options of the ring attention forward and backward.
 struct RingOptions {
@@ -62,8 +63,19 @@ struct RingOptions {
   bool overlap = true;
   Trace* trace = nullptr;  ///< if set, compute and communication spans are recorded in it
   RingExchange exchange = batched_ring_exchange;  ///< how chunks move (lesson 06 offers others)
-  RingLayout layout = contiguous_layout();        ///< where tokens live (lesson 07 offers others)
+  RingSchedule schedule = contiguous_schedule();  ///< where tokens live, what each step computes (lesson 07 offers others)
 };
+
+/// RingOptions with `causal` (and `trace`) set and every other field at its default. Callers set
+/// fields by name, never by position, so a field added later cannot change what a call means:
+///   RingOptions options = ring_options(true);
+///   options.overlap = false;
+inline RingOptions ring_options(bool causal, Trace* trace = nullptr) {
+  RingOptions options;
+  options.causal = causal;
+  options.trace = trace;
+  return options;
+}
 
 /// The work of one computed ring step.
 struct StepWork {
@@ -87,14 +99,14 @@ struct RingResult {
   RingStats stats;
 };
 
-/// Ring attention forward on this rank's shard (contiguous unless options.layout says otherwise).
+/// Ring attention forward on this rank's shard (contiguous unless options.schedule says otherwise).
 /// @param q     [B, Hq, S/N, D]; k, v [B, Hkv, S/N, D] (GQA: Hq divisible by Hkv). Every rank must
 ///              pass the same shapes (S divisible by N), dtype and device kind.
 RingResult ring_attention_forward(Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                   const RingOptions& options = {});
 
 /// The checks of a ring call: q, k, v as for attention_block_forward, the same on every rank
-/// (check_same_on_every_rank), as many tokens of q as of k, an exchange and a layout that puts
+/// (check_same_on_every_rank), as many tokens of q as of k, an exchange and a schedule that puts
 /// S/N positions on every rank. Returns the chunk length S/N.
 int64_t check_ring_inputs(Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                           const RingOptions& options);

@@ -1,6 +1,13 @@
+// GENERATED from solutions/05_ring_attention_backward/block_backward.cpp by tools/skeleton.
+// Learners: write between BEGIN YOUR CODE and END YOUR CODE. Maintainers: edit the solution, then run make skeletons.
 // Lesson 05, task 1 — the backward of one attention block on the CPU, and the dispatch to the
 // CUDA kernels of task 2 (block_backward.cu).
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
 
 #include "common/error.h"
 #include "common/tensor_checks.h"
@@ -23,22 +30,178 @@ torch::Tensor softmax_backward_delta(const torch::Tensor& dout, const torch::Ten
   // END YOUR CODE
 }
 
-/// Task 1: one (batch, query head) of the block backward. Adds to dq [Sq, D] and to the group's
-/// dk, dv [Sk, D] (several query heads share them under GQA).
+// ── The CPU path ─────────────────────────────────────────────────────────────────────────────
+//
+// The backward of lesson 03's tiles: for each (batch, kv head) the keys are packed in tiles of
+// kBc = 32, and every key tile meets every query tile of kBr = 32 rows of each query head of the
+// group. A tile pair computes its scores S = Q Kᵀ and dP = dO Vᵀ (given below), and
+// backward_tile (task 1) turns them into P, dS and the five products' three sums: dV += Pᵀ dO,
+// dK += dSᵀ Q, dQ += dS K. dK, dV of the group and dQ of the head are float32 accumulators in
+// packed rows, added into the outputs once at the end (README, "The block backward on the CPU").
+
+/// Four floats in one SIMD register (SSE2 on x86-64, NEON on arm64): GCC's and Clang's vector
+/// extension, as in lesson 03. `a * b`, `a + b`, `a * 2.0f` act on the four lanes.
+typedef float f32x4 __attribute__((vector_size(16)));
+typedef uint32_t u32x4 __attribute__((vector_size(16)));
+
+constexpr int64_t kLanes = 4;                     // floats per f32x4
+constexpr int64_t kBc = 32;                       // keys per tile
+constexpr int64_t kBr = 32;                       // query rows per tile
+constexpr int64_t kKeyVecs = kBc / kLanes;        // a row's kBc values of one tile: 8 vectors
+constexpr int64_t kDimVecs = 8;                   // the sums run over the head dim 8 vectors (32 dims) at a time
+constexpr int64_t kDimAlign = kDimVecs * kLanes;  // packed rows are padded with zeros to a multiple of 32 dims
+
+inline f32x4 load4(const float* p) {
+  f32x4 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store4(float* p, f32x4 v) { std::memcpy(p, &v, sizeof v); }
+
+/// The bits of `from` read as a `To` of the same size.
+template <typename To, typename From>
+inline To bits(From from) {
+  static_assert(sizeof(To) == sizeof(From), "bits: sizes differ");
+  To to;
+  std::memcpy(&to, &from, sizeof to);
+  return to;
+}
+
+/// e^x lane by lane for x <= 0 (about 1 ulp): anything below -87 gives 0, NaN stays NaN. Lesson
+/// 03's vectorised expf (its README, "The CPU path").
+inline f32x4 exp_nonpos(f32x4 x) {
+  const f32x4 magic = f32x4{} + 12582912.0f;  // 1.5 · 2^23
+  const f32x4 t = x * 1.44269504088896341f + magic;
+  const f32x4 n = t - magic;
+  const f32x4 r = (x - n * 0.693359375f) - n * -2.12194440e-4f;  // x - n ln 2, in two parts
+  f32x4 p = f32x4{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;  // e^r
+  const u32x4 two_n = ((bits<u32x4>(t) - 0x4B400000u) + 127u) << 23;  // 2^n, built in the exponent field
+  const u32x4 keep = bits<u32x4>(!(x < -87.0f));                         // all ones unless x < -87 (NaN: kept)
+  const u32x4 big = bits<u32x4>(x > 88.0f);                              // past float's range: +inf
+  return bits<f32x4>((bits<u32x4>(p * bits<f32x4>(two_n)) & keep & ~big) | (big & 0x7F800000u));
+}
+
+/// Rows of a float tensor as float32 rows of dp floats (zeros past the head dim and past the
+/// last row, up to a multiple of kBr rows).
 template <typename T>
-void backward_head(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta,
-                   const int64_t* q_pos, const int64_t* k_pos, bool causal, float scale, const AttentionShapes& s, float* dq,
-                   float* dk, float* dv) {
-  const int64_t d_model = s.head_dim;
-  // BEGIN YOUR CODE task 1: the gradients of one head
-  // TODO(lesson 05, task 1): for every visible pair (i, j): p = exp(scale·q_i·k_j − lse_i),
-  // dv_j += p·dout_i, dp = dout_i·v_j, ds = p·(dp − delta_i), dq_i += scale·ds·k_j,
-  // dk_j += scale·ds·q_i. A row with lse = -inf has no visible key: skip it (not a NaN row:
-  // compare with -inf exactly). Hidden pairs are skipped, never multiplied by p = 0.
-  (void)q, (void)k, (void)v, (void)dout, (void)lse, (void)delta, (void)q_pos, (void)k_pos, (void)causal,
-  (void)scale, (void)dq, (void)dk, (void)dv, (void)d_model;
-  throw NotImplemented("lesson 05, task 1: backward_head");
+void pack_rows(const T* x, int64_t seq, int64_t d_model, int64_t dp, std::vector<float>& rows) {
+  rows.assign((seq + kBr - 1) / kBr * kBr * dp, 0.0f);
+  for (int64_t i = 0; i < seq; ++i)
+    for (int64_t d = 0; d < d_model; ++d) rows[i * dp + d] = static_cast<float>(x[i * d_model + d]);
+}
+
+/// x transposed in tiles of kBc rows: [tile][dim][kKeyVecs vectors], zero-padded.
+template <typename T>
+void pack_transposed(const T* x, int64_t seq, int64_t d_model, int64_t dp, std::vector<f32x4>& tiles) {
+  tiles.assign((seq + kBc - 1) / kBc * dp * kKeyVecs, f32x4{});
+  for (int64_t j = 0; j < seq; ++j) {
+    float* tile = reinterpret_cast<float*>(tiles.data() + j / kBc * dp * kKeyVecs);
+    for (int64_t d = 0; d < d_model; ++d) tile[d * kBc + j % kBc] = static_cast<float>(x[j * d_model + d]);
+  }
+}
+
+/// out[i][jj] = a_i · b_jj for `rows` rows of a ([rows][dp]) and the kBc rows of a tile b packed
+/// transposed (bt: [dp][kKeyVecs]): the scores S = Q Kᵀ and dP = dO Vᵀ of a tile pair, with
+/// lesson 03's loop (a row's kBc sums in 8 vector registers over the head dim).
+void tile_products(const float* a, int64_t rows, const f32x4* bt, int64_t dp, float* out) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* a_i = a + i * dp;
+    f32x4 acc[kKeyVecs] = {};
+    for (int64_t d = 0; d < dp; ++d) {
+      const float a_id = a_i[d];
+#pragma GCC unroll 8
+      for (int64_t c = 0; c < kKeyVecs; ++c) acc[c] += a_id * bt[d * kKeyVecs + c];
+    }
+#pragma GCC unroll 8
+    for (int64_t c = 0; c < kKeyVecs; ++c) store4(out + i * kBc + c * kLanes, acc[c]);
+  }
+}
+
+/// Task 1: the gradients of one tile pair: `rows` query rows (q, dout, dq: [rows][dp]; lse,
+/// delta: [rows]) against the kBc keys of a key tile (k, dk, dv: [kBc][dp]). s and dpt
+/// ([rows][kBc]) hold q_i · k_j and dout_i · v_j. hidden ([rows][kBc], 1 = hidden) is null when
+/// every pair is visible; else it marks the pairs to skip: the causal mask, rows with lse = -inf,
+/// keys past the last. Adds into dq, dk, dv.
+void backward_tile(const float* s, const float* dpt, const uint8_t* hidden, const float* q, const float* dout,
+                   const float* k, const float* lse, const float* delta, int64_t rows, float scale, int64_t dp,
+                   float* dq, float* dk, float* dv) {
+  // BEGIN YOUR CODE task 1: the gradients of one tile pair
+  // TODO(lesson 05, task 1): P and dS of the tile, then dv += Pᵀ·dout, dk += dSᵀ·q, dq += dS·k (skip hidden pairs).
+  // README, "Task 1 — the block backward on the CPU (`block_backward.cpp`)".
+  (void)s, (void)dpt, (void)hidden, (void)q, (void)dout, (void)k, (void)lse, (void)delta, (void)rows,
+  (void)scale, (void)dp, (void)dq, (void)dk, (void)dv;
+  throw NotImplemented("lesson 05, task 1: backward_tile");
   // END YOUR CODE
+}
+
+/// The tile loops of one (batch, kv head) and its group of query heads: adds the group's dq
+/// (each head's rows of it) and dk, dv ([seq_k][d_model]) into the float32 outputs.
+template <typename T>
+void backward_group(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta,
+                    const int64_t* q_pos, const int64_t* k_pos, bool causal, float scale, const AttentionShapes& s,
+                    int64_t group, float* dq, float* dk, float* dv) {
+  const int64_t d_model = s.head_dim, dp = (d_model + kDimAlign - 1) / kDimAlign * kDimAlign;
+  const int64_t key_tiles = (s.seq_k + kBc - 1) / kBc, query_tiles = (s.seq_q + kBr - 1) / kBr;
+  std::vector<f32x4> kt, vt;
+  std::vector<float> k_rows, q_rows, do_rows, dq_acc, lse_rows, delta_rows;
+  pack_transposed(k, s.seq_k, d_model, dp, kt);
+  pack_transposed(v, s.seq_k, d_model, dp, vt);
+  pack_rows(k, s.seq_k, d_model, dp, k_rows);
+  std::vector<float> dk_acc(k_rows.size(), 0.0f), dv_acc(k_rows.size(), 0.0f);
+  std::vector<int64_t> k_min(key_tiles, std::numeric_limits<int64_t>::max()), k_max(key_tiles, std::numeric_limits<int64_t>::min());
+  std::vector<int64_t> q_min(query_tiles, std::numeric_limits<int64_t>::max()), q_max(query_tiles, std::numeric_limits<int64_t>::min());
+  for (int64_t j = 0; j < s.seq_k; ++j) {
+    k_min[j / kBc] = std::min(k_min[j / kBc], k_pos[j]);
+    k_max[j / kBc] = std::max(k_max[j / kBc], k_pos[j]);
+  }
+  for (int64_t i = 0; i < s.seq_q; ++i) {
+    q_min[i / kBr] = std::min(q_min[i / kBr], q_pos[i]);
+    q_max[i / kBr] = std::max(q_max[i / kBr], q_pos[i]);
+  }
+  alignas(16) float s_tile[kBr * kBc], dp_tile[kBr * kBc];
+  uint8_t hidden[kBr * kBc];
+  const int64_t sd = s.seq_q * d_model;
+  for (int64_t h = 0; h < group; ++h) {
+    pack_rows(q + h * sd, s.seq_q, d_model, dp, q_rows);
+    pack_rows(dout + h * sd, s.seq_q, d_model, dp, do_rows);
+    dq_acc.assign(q_rows.size(), 0.0f);
+    const float* lse_h = lse + h * s.seq_q;
+    const float* delta_h = delta + h * s.seq_q;
+    std::vector<bool> empty_row_in_tile(query_tiles, false);  // a row with lse = -inf sees nothing
+    for (int64_t i = 0; i < s.seq_q; ++i)
+      if (lse_h[i] == -INFINITY) empty_row_in_tile[i / kBr] = true;
+    for (int64_t t = 0; t < key_tiles; ++t) {
+      const int64_t j0 = t * kBc, n = std::min(kBc, s.seq_k - j0);
+      for (int64_t u = 0; u < query_tiles; ++u) {
+        const int64_t i0 = u * kBr, rows = std::min(kBr, s.seq_q - i0);
+        if (causal && k_min[t] > q_max[u]) continue;  // every key of the tile after every row: skip the pair
+        const bool masked = (causal && k_max[t] > q_min[u]) || n < kBc || empty_row_in_tile[u];
+        if (masked) {
+          for (int64_t i = 0; i < rows; ++i)
+            for (int64_t jj = 0; jj < kBc; ++jj)
+              hidden[i * kBc + jj] = jj >= n || lse_h[i0 + i] == -INFINITY || (causal && k_pos[j0 + jj] > q_pos[i0 + i]);
+        }
+        tile_products(q_rows.data() + i0 * dp, rows, kt.data() + t * dp * kKeyVecs, dp, s_tile);
+        tile_products(do_rows.data() + i0 * dp, rows, vt.data() + t * dp * kKeyVecs, dp, dp_tile);
+        backward_tile(s_tile, dp_tile, masked ? hidden : nullptr, q_rows.data() + i0 * dp, do_rows.data() + i0 * dp,
+                      k_rows.data() + j0 * dp, lse_h + i0, delta_h + i0, rows, scale, dp, dq_acc.data() + i0 * dp,
+                      dk_acc.data() + j0 * dp, dv_acc.data() + j0 * dp);
+      }
+    }
+    for (int64_t i = 0; i < s.seq_q; ++i)
+      for (int64_t d = 0; d < d_model; ++d) dq[h * sd + i * d_model + d] += dq_acc[i * dp + d];
+  }
+  for (int64_t j = 0; j < s.seq_k; ++j)
+    for (int64_t d = 0; d < d_model; ++d) {
+      dk[j * d_model + d] += dk_acc[j * dp + d];
+      dv[j * d_model + d] += dv_acc[j * dp + d];
+    }
 }
 
 }  // namespace
@@ -85,14 +248,14 @@ AttnGrads attention_block_backward(const torch::Tensor& dout_in, const torch::Te
   const int64_t group = s.heads_q / s.heads_kv, sd = s.seq_q * s.head_dim, kd = s.seq_k * s.head_dim;
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attention_block_backward", [&] {
     for (int64_t b = 0; b < s.batch; ++b) {
-      for (int64_t h = 0; h < s.heads_q; ++h) {
-        const int64_t bh = b * s.heads_q + h, bh_kv = b * s.heads_kv + h / group;
-        backward_head(q.data_ptr<scalar_t>() + bh * sd, k.data_ptr<scalar_t>() + bh_kv * kd,
-                      v.data_ptr<scalar_t>() + bh_kv * kd, dout.data_ptr<scalar_t>() + bh * sd,
-                      lse.data_ptr<float>() + bh * s.seq_q, delta.data_ptr<float>() + bh * s.seq_q,
-                      q_pos.data_ptr<int64_t>(), k_pos.data_ptr<int64_t>(), mask.causal, softmax_scale, s,
-                      grads.dq.data_ptr<float>() + bh * sd, grads.dk.data_ptr<float>() + bh_kv * kd,
-                      grads.dv.data_ptr<float>() + bh_kv * kd);
+      for (int64_t h_kv = 0; h_kv < s.heads_kv; ++h_kv) {
+        const int64_t bh = b * s.heads_q + h_kv * group, bh_kv = b * s.heads_kv + h_kv;  // the group's first query head
+        backward_group(q.data_ptr<scalar_t>() + bh * sd, k.data_ptr<scalar_t>() + bh_kv * kd,
+                       v.data_ptr<scalar_t>() + bh_kv * kd, dout.data_ptr<scalar_t>() + bh * sd,
+                       lse.data_ptr<float>() + bh * s.seq_q, delta.data_ptr<float>() + bh * s.seq_q,
+                       q_pos.data_ptr<int64_t>(), k_pos.data_ptr<int64_t>(), mask.causal, softmax_scale, s, group,
+                       grads.dq.data_ptr<float>() + bh * sd, grads.dk.data_ptr<float>() + bh_kv * kd,
+                       grads.dv.data_ptr<float>() + bh_kv * kd);
       }
     }
   });

@@ -15,22 +15,22 @@
 
 namespace cp {
 
-enum class Exchange {
+enum class ExchangeMethod {
   Naive,     ///< everyone sends, then receives (blocking): deadlocks for N ≥ 2
   OddEven,   ///< even ranks send then receive, odd ranks receive then send (blocking)
   SendRecv,  ///< Comm::sendrecv, the library's combined call
   Batched    ///< one batch of non-blocking send + receive (Comm::start), what NCCL requires
 };
 
-std::string to_string(Exchange how);
+std::string to_string(ExchangeMethod how);
 
 /// Sends `send` to rank (r+1) mod N and receives into `recv` from rank (r−1) mod N, `how`.
 /// `recv` must have send's shape and dtype (a cp::Error otherwise). N = 1 is a copy (a rank is
 /// its own neighbour). Returns when both are complete.
-void ring_exchange(Comm& comm, const torch::Tensor& send, torch::Tensor& recv, Exchange how);
+void ring_exchange(Comm& comm, const torch::Tensor& send, torch::Tensor& recv, ExchangeMethod how);
 
 /// The ring attention hook (RingOptions::exchange) for `how`: each tensor pair is exchanged in
 /// turn with ring_exchange. Naive is refused with a cp::Error: it would deadlock.
-RingExchange ring_exchange_strategy(Exchange how);
+RingExchange ring_exchange_for(ExchangeMethod how);
 
 }  // namespace cp

@@ -2,7 +2,7 @@
 // zig-zag and stripe layouts — the model (exact pair counts) next to what the ring executes
 // (block sizes and compute time per rank, on N simulated ranks) — and an SVG bar chart.
 //
-//   build/bin/lesson07_demo_solution --svg build/zigzag_work.svg      (make demo)
+//   build/bin/lesson07_demo_solution --svg build/zigzag_work.svg
 #include <torch/types.h>
 #include <torch/utils.h>
 
@@ -23,13 +23,13 @@ double imbalance(const std::vector<double>& per_rank) {
   return mean > 0 ? *std::max_element(per_rank.begin(), per_rank.end()) / mean : 1.0;
 }
 
-cp::RingLayout ring_layout_of(cp::Layout layout) {
+cp::RingSchedule ring_schedule_of(cp::TokenLayout layout) {
   switch (layout) {
-    case cp::Layout::Contiguous: return cp::contiguous_layout();
-    case cp::Layout::ZigZag: return cp::zigzag_layout();
-    case cp::Layout::Stripe: return cp::stripe_layout();
+    case cp::TokenLayout::Contiguous: return cp::contiguous_schedule();
+    case cp::TokenLayout::ZigZag: return cp::zigzag_schedule();
+    case cp::TokenLayout::Stripe: return cp::stripe_schedule();
   }
-  return cp::contiguous_layout();
+  return cp::contiguous_schedule();
 }
 
 constexpr int64_t kBatch = 1, kHeads = 2, kDim = 64;  // the shapes of the measured runs
@@ -39,15 +39,15 @@ struct Measured {
 };
 
 /// Runs the causal ring forward on `world` threads in `layout` and sums each rank's executed work.
-Measured measure(cp::Layout layout, int world, int64_t seq) {
+Measured measure(cp::TokenLayout layout, int world, int64_t seq) {
   torch::manual_seed(1);
   const torch::Tensor q = torch::randn({kBatch, kHeads, seq, kDim}), k = torch::randn({kBatch, kHeads, seq, kDim}),
                       v = torch::randn({kBatch, kHeads, seq, kDim});
   Measured m{std::vector<double>(world), std::vector<double>(world)};
   cp::run_local_world(world, [&](cp::Comm& comm) {
     auto mine = [&](const torch::Tensor& t) { return cp::shard_sequence(t, layout, world, comm.rank()); };
-    cp::RingOptions options{true, {}, true, nullptr};
-    options.layout = ring_layout_of(layout);
+    cp::RingOptions options = cp::ring_options(true);
+    options.schedule = ring_schedule_of(layout);
     for (const cp::StepWork& step : cp::ring_attention_forward(comm, mine(q), mine(k), mine(v), options).stats.steps) {
       m.pairs[comm.rank()] += static_cast<double>(step.pairs);
       m.ms[comm.rank()] += step.ms;
@@ -61,7 +61,7 @@ void write_svg(const std::string& path, int world, int64_t seq) {
   std::vector<std::string> ranks;
   for (int r = 0; r < world; ++r) ranks.push_back("rank " + std::to_string(r));
   std::vector<cp::BarSeries> series;
-  for (cp::Layout l : {cp::Layout::Contiguous, cp::Layout::ZigZag, cp::Layout::Stripe}) {
+  for (cp::TokenLayout l : {cp::TokenLayout::Contiguous, cp::TokenLayout::ZigZag, cp::TokenLayout::Stripe}) {
     const std::vector<int64_t> work = cp::causal_work(l, seq, world);
     series.push_back({cp::to_string(l), std::vector<double>(work.begin(), work.end())});
   }
@@ -86,7 +86,7 @@ int main(int argc, char** argv) {
     std::printf("# %3s %-11s %12s %15s %13s %14s\n", "N", "layout", "model_pairs", "executed_pairs", "compute_time",
                 "max_rank_MFLOP");
     for (int world : {2, 4, 8}) {
-      for (cp::Layout layout : {cp::Layout::Contiguous, cp::Layout::ZigZag, cp::Layout::Stripe}) {
+      for (cp::TokenLayout layout : {cp::TokenLayout::Contiguous, cp::TokenLayout::ZigZag, cp::TokenLayout::Stripe}) {
         const std::vector<int64_t> model = cp::causal_work(layout, seq, world);
         const Measured m = measure(layout, world, seq);
         // FLOPs of a block: 4·D per (query, key) pair (QKᵀ and PV, multiply-add = 2), times B·H.

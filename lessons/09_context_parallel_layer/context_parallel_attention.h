@@ -34,7 +34,7 @@ const std::vector<Strategy>& all_strategies();
 
 /// How a strategy expects the sequence to be sharded (lesson 07's layouts): contiguous for the
 /// plain ring, zig-zag for the others (for Llama 3 every sequence of the batch is one document).
-Layout layout_of(Strategy strategy);
+TokenLayout layout_of(Strategy strategy);
 
 /// What one strategy call cost this rank.
 struct StrategyStats {

@@ -18,10 +18,8 @@ namespace {
 template <typename T>
 void safe_softmax_row(const T* x, T* y, int64_t n) {
   // BEGIN SOLUTION task 2: the three passes
-  // STUB: // TODO(lesson 01, task 2): pass 1 finds the maximum m, pass 2 sums exp(x - m),
-  // STUB: // pass 3 writes exp(x - m) / sum. A row of -inf only (m = -inf) gives zeros. Sum in
-  // STUB: // double: thousands of float32 terms added one by one lose ~1e-5 relative accuracy. A NaN
-  // STUB: // must reach the output (std::max drops it: a NaN x makes m NaN).
+  // STUB: // TODO(lesson 01, task 2): three passes over the row: the maximum m, the sum of exp(x - m), y = exp(x - m) / sum.
+  // STUB: // README, "Task 2 — `safe_softmax_row` on the CPU (`online_softmax.cpp`)".
   // STUB: (void)x, (void)y, (void)n;
   // STUB: throw NotImplemented("lesson 01, task 2: safe softmax of one row");
   T m = -INFINITY;
@@ -48,9 +46,8 @@ constexpr int kLanes = 32;
 template <typename T>
 SoftmaxState row_state(const T* x, int64_t n) {
   // BEGIN SOLUTION task 3: one pass over the row
-  // STUB: // TODO(lesson 01, task 3): keep kLanes states, add x[j] to lane j % kLanes, then merge
-  // STUB: // the lanes into one state. (A single state works too but loses accuracy on long rows:
-  // STUB: // see "Rounding" in the README.)
+  // STUB: // TODO(lesson 01, task 3): the row's state in one pass, in kLanes partial states merged at the end.
+  // STUB: // README, "Task 3 — `row_state` and `normalise_row` on the CPU (`online_softmax.cpp`)".
   // STUB: (void)x, (void)n;
   // STUB: throw NotImplemented("lesson 01, task 3: row_state (one pass over the row)");
   SoftmaxState lanes[kLanes];

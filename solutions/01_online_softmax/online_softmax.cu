@@ -35,9 +35,8 @@ __global__ void online_softmax_kernel(const T* __restrict__ x,  // [rows, n]
   SoftmaxState state = SoftmaxState::empty();
 
   // BEGIN SOLUTION task 4: per-lane states and the warp merge
-  // STUB: // TODO(lesson 01, task 4): (a) each lane adds x_row[lane], x_row[lane + 32], ... (below
-  // STUB: // row_len) to `state`, its own SoftmaxState; (b) merge the 32 states with __shfl_xor_sync
-  // STUB: // (offsets 16, 8, 4, 2, 1: shuffle m and l, then merge()). Every lane runs every shuffle.
+  // STUB: // TODO(lesson 01, task 4): (a) each lane's state of its elements, (b) the butterfly merge with __shfl_xor_sync.
+  // STUB: // README, "Task 4 — the warp-per-row CUDA kernel (`online_softmax.cu`)" and "How the CUDA kernel works".
   // STUB: (void)x_row, (void)lane, (void)row_len;
   for (int64_t j = lane; j < row_len; j += kWarpSize) state.add(kernels::to_float(x_row[j]));
 
@@ -50,8 +49,8 @@ __global__ void online_softmax_kernel(const T* __restrict__ x,  // [rows, n]
   if (!active) return;  // past the last shuffle: an idle warp may leave now
 
   // BEGIN SOLUTION task 4: write lse and y
-  // STUB: // TODO(lesson 01, task 4): (c) lane 0 writes lse[row] if lse is not null, and the lanes
-  // STUB: // write y[j] = exp(x[j] - m) / l (0 for an empty state, l = 0; NaN if l is NaN) if y is not null.
+  // STUB: // TODO(lesson 01, task 4): (c) lane 0 writes lse[row], the lanes write y (each unless its pointer is null).
+  // STUB: // README, "Task 4 — the warp-per-row CUDA kernel (`online_softmax.cu`)".
   // STUB: (void)y, (void)lse, (void)state;
   if (lse != nullptr && lane == 0) lse[row] = state.logsumexp();
   if (y != nullptr) {
@@ -72,9 +71,8 @@ void launch_online_softmax(const void* x, void* y, float* lse, int64_t rows, int
   CP_CHECK(blocks <= INT32_MAX, "x: too many rows for one launch (", rows, ")");
   if (rows == 0) return;  // a grid of zero blocks is a launch error, and there is nothing to do
   // BEGIN SOLUTION task 4: launch the kernel
-  // STUB: // TODO(lesson 01, task 4): launch online_softmax_kernel<T> with `blocks` blocks of
-  // STUB: // kWarpsPerBlock warps on `stream`, T picked by kernels::dispatch_dtype(dtype, ...);
-  // STUB: // then check the launch with CUDA_CHECK_LAUNCH().
+  // STUB: // TODO(lesson 01, task 4): launch online_softmax_kernel<T>, T from kernels::dispatch_dtype, and check the launch.
+  // STUB: // README, "Task 4 — the warp-per-row CUDA kernel (`online_softmax.cu`)".
   // STUB: (void)x, (void)y, (void)lse, (void)n, (void)dtype, (void)stream;
   // STUB: throw NotImplemented("lesson 01, task 4: launch_online_softmax");
   kernels::dispatch_dtype(dtype, [&](auto tag) {

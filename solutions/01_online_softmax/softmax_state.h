@@ -25,10 +25,8 @@ struct SoftmaxState {
   /// Adds one value: the online update, one exp per value.
   CP_HOST_DEVICE void add(float x) {
     // BEGIN SOLUTION task 1: add one value
-    // STUB: // TODO(lesson 01, task 1): if x is a new maximum, rescale l to it (the correction
-    // STUB: // factor exp(m_old - m_new)) before adding exp(x - m_new) = 1; else add exp(x - m).
-    // STUB: // -inf contributes nothing, and must not produce exp(-inf - (-inf)) = NaN. A NaN x counts
-    // STUB: // as a new maximum (m = l = NaN: never drop it), and x = +inf adds exp(inf - inf) = NaN, not 1.
+    // STUB: // TODO(lesson 01, task 1): add x to the state with one exp (the online update).
+    // STUB: // README, "Task 1 — the state: `SoftmaxState::add` and `merge` (`softmax_state.h`)": -inf, NaN and +inf.
     // STUB: CP_NOT_IMPLEMENTED_HD("lesson 01, task 1: SoftmaxState::add");
     if (x == -INFINITY) return;  // exp(-inf) = 0; skipping it also avoids -inf - (-inf)
     if (x > m || x != x) {  // a new maximum; a NaN too, so that it propagates (x > m is false for NaN)
@@ -54,9 +52,8 @@ struct SoftmaxState {
 /// a warp, a ring of GPUs).
 CP_HOST_DEVICE inline SoftmaxState merge(SoftmaxState a, SoftmaxState b) {
   // BEGIN SOLUTION task 1: merge two states
-  // STUB: // TODO(lesson 01, task 1): take the larger maximum, rescale both sums to it, add them.
-  // STUB: // Both states may be empty (m = -inf): never evaluate exp(-inf - (-inf)). A NaN maximum
-  // STUB: // must win (fmaxf and std::max drop NaN).
+  // STUB: // TODO(lesson 01, task 1): the state of the union: rescale both sums to the larger maximum, add them.
+  // STUB: // README, "Task 1 — the state: `SoftmaxState::add` and `merge` (`softmax_state.h`)": empty states, a NaN maximum.
   // STUB: CP_NOT_IMPLEMENTED_HD("lesson 01, task 1: merge(SoftmaxState, SoftmaxState)");
   // STUB: return SoftmaxState::empty();
   const float m = (b.m > a.m || b.m != b.m) ? b.m : a.m;  // the larger; NaN wins (fmaxf would drop it)

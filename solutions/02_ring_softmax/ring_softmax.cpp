@@ -21,8 +21,8 @@ RowStates unpack(const torch::Tensor& packed) { return {packed[0], packed[1]}; }
 /// Task 1: softmax of the local shard under the global state: exp(x − m) / l, 0 where l = 0.
 torch::Tensor normalise_with(const torch::Tensor& x, const RowStates& global) {
   // BEGIN SOLUTION task 1: normalise the shard with the global state
-  // STUB: // TODO(lesson 02, task 1): broadcast m and l over the last dim (unsqueeze(-1)); rows
-  // STUB: // with l = 0 (−inf everywhere) give zeros, and must not compute −inf − (−inf).
+  // STUB: // TODO(lesson 02, task 1): exp(x − m) / l under the global state, zeros where l = 0, in x's dtype.
+  // STUB: // README, "Task 1 — states on tensors: `local_row_states`, `merge_row_states`, `normalise_with`".
   // STUB: (void)x, (void)global;
   // STUB: throw NotImplemented("lesson 02, task 1: normalise_with");
   const torch::Tensor empty = (global.l == 0).unsqueeze(-1);
@@ -36,9 +36,8 @@ torch::Tensor normalise_with(const torch::Tensor& x, const RowStates& global) {
 
 RowStates local_row_states(const torch::Tensor& x) {
   // BEGIN SOLUTION task 1: the local states
-  // STUB: // TODO(lesson 02, task 1): m = the row max (−inf for an empty shard: max over zero
-  // STUB: // columns is an error, so handle it), l = Σ exp(x − m) with a finite stand-in for m where
-  // STUB: // m = −inf. Compute in float32 whatever x's dtype.
+  // STUB: // TODO(lesson 02, task 1): the float32 state (m, l) of every row of x, also for a shard of zero columns.
+  // STUB: // README, "Task 1 — states on tensors: `local_row_states`, `merge_row_states`, `normalise_with`".
   // STUB: (void)x;
   // STUB: throw NotImplemented("lesson 02, task 1: local_row_states");
   const torch::Tensor xf = x.to(torch::kFloat);
@@ -54,9 +53,8 @@ RowStates local_row_states(const torch::Tensor& x) {
 
 RowStates merge_row_states(const RowStates& a, const RowStates& b) {
   // BEGIN SOLUTION task 1: merge states row by row
-  // STUB: // TODO(lesson 02, task 1): lesson 01's merge on whole tensors: m = max(m_a, m_b),
-  // STUB: // l = l_a·exp(m_a − m) + l_b·exp(m_b − m). Where both are empty, m = −inf: use a finite
-  // STUB: // stand-in for m there so that exp(−inf − m) = 0 instead of NaN.
+  // STUB: // TODO(lesson 02, task 1): lesson 01's merge, row-wise on whole tensors, safe where both states are empty.
+  // STUB: // README, "Task 1 — states on tensors: `local_row_states`, `merge_row_states`, `normalise_with`".
   // STUB: (void)a, (void)b;
   // STUB: throw NotImplemented("lesson 02, task 1: merge_row_states");
   const torch::Tensor m = torch::maximum(a.m, b.m);
@@ -70,9 +68,8 @@ namespace {
 /// Task 2: 0 → 1 → … → N−1, then N−1 broadcasts.
 RowStates chain(Comm& comm, const RowStates& mine) {
   // BEGIN SOLUTION task 2: the chain
-  // STUB: // TODO(lesson 02, task 2): receive the running state from rank r−1 (rank 0 starts
-  // STUB: // with its own), merge yours, send it to r+1; rank N−1 then broadcasts the result.
-  // STUB: // Hint: pack() the two tensors into one message; blocking send/recv are fine here.
+  // STUB: // TODO(lesson 02, task 2): receive from r−1, merge yours, send to r+1; then rank N−1 broadcasts the result.
+  // STUB: // README, "Task 2 — `Chain`".
   // STUB: (void)comm, (void)mine;
   // STUB: throw NotImplemented("lesson 02, task 2: chain");
   const int r = comm.rank(), n = comm.size();
@@ -92,9 +89,8 @@ RowStates chain(Comm& comm, const RowStates& mine) {
 /// Task 3: every state travels N−1 hops around the ring.
 RowStates ring(Comm& comm, const RowStates& mine) {
   // BEGIN SOLUTION task 3: the ring
-  // STUB: // TODO(lesson 02, task 3): N−1 steps; at each, sendrecv the state you received last
-  // STUB: // (your own at step 0) to r+1 while receiving from r−1, and merge what arrives into
-  // STUB: // your accumulator. Forward what you received, not your accumulator.
+  // STUB: // TODO(lesson 02, task 3): N−1 sendrecv steps: forward what you received last, merge it into your accumulator.
+  // STUB: // README, "Task 3 — `Ring`".
   // STUB: (void)comm, (void)mine;
   // STUB: throw NotImplemented("lesson 02, task 3: ring");
   const int r = comm.rank(), n = comm.size();
@@ -113,9 +109,8 @@ RowStates ring(Comm& comm, const RowStates& mine) {
 /// Task 4: all_reduce(max), then all_reduce(sum of exp(x − m)).
 RowStates two_all_reduce(Comm& comm, const torch::Tensor& x) {
   // BEGIN SOLUTION task 4: two all-reduces
-  // STUB: // TODO(lesson 02, task 4): start from the local states; all_reduce(Max) their m; then
-  // STUB: // l = Σ exp(x − m_global) over the shard (0 for rows that are −inf everywhere), and
-  // STUB: // all_reduce(Sum) of it.
+  // STUB: // TODO(lesson 02, task 4): all_reduce(Max) of the row maxima, then all_reduce(Sum) of Σ exp(x − M).
+  // STUB: // README, "Task 4 — `TwoAllReduce`".
   // STUB: (void)comm, (void)x;
   // STUB: throw NotImplemented("lesson 02, task 4: two_all_reduce");
   torch::Tensor m = local_row_states(x).m.contiguous();

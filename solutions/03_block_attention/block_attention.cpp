@@ -2,7 +2,11 @@
 // the CPU with the same tiled algorithm as the CUDA kernel (task 3, block_attention.cu).
 #include "block_attention.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
 #include <vector>
 
 #include "common/error.h"
@@ -16,58 +20,199 @@
 namespace cp {
 namespace {
 
-constexpr int64_t kBc = 32;  // keys per tile, as in the kernel
+// ── The CPU path ─────────────────────────────────────────────────────────────────────────────
+//
+// FlashAttention on one core: the keys of a (batch, kv head) are packed once into tiles of
+// kBc = 32 keys, and the queries are walked in tiles of kBr = 32 rows; each query tile meets each
+// key tile in attend_tile (task 2), which keeps the (m, l, O) state of its rows. On a GPU a tile
+// lives in shared memory and a row's numbers in registers; here the key tile (8 KiB of K and 8
+// KiB of V at D = 64) stays in the L1 cache while the kBr rows reuse it, and a row's 32 scores
+// stay in 8 SIMD registers of 4 floats while the loop over the head dim runs (README, "The CPU
+// path").
 
-/// Task 2: attention of one query row over all keys, tile by tile, with the (m, l, O) state.
-/// q_row, out_row: [D]; k_head, v_head: [Sk, D]; o: scratch of D floats.
+/// Four floats in one SIMD register (SSE2 on x86-64, NEON on arm64): GCC's and Clang's vector
+/// extension. `a * b`, `a + b`, `a * 2.0f` act on the four lanes; `v[k]` reads lane k.
+typedef float f32x4 __attribute__((vector_size(16)));
+typedef uint32_t u32x4 __attribute__((vector_size(16)));
+
+constexpr int64_t kLanes = 4;                  // floats per f32x4
+constexpr int64_t kBc = 32;                    // keys per tile, as in the kernel
+constexpr int64_t kBr = 32;                    // query rows per tile
+constexpr int64_t kKeyVecs = kBc / kLanes;     // a row's scores of one tile: 8 vectors
+constexpr int64_t kDimVecs = 8;                // O += P V runs over the head dim 8 vectors (32 dims) at a time
+constexpr int64_t kDimAlign = kDimVecs * kLanes;  // packed rows are padded with zeros to a multiple of 32 dims
+
+inline f32x4 load4(const float* p) {
+  f32x4 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store4(float* p, f32x4 v) { std::memcpy(p, &v, sizeof v); }
+
+/// The bits of `from` read as a `To` of the same size.
+template <typename To, typename From>
+inline To bits(From from) {
+  static_assert(sizeof(To) == sizeof(From), "bits: sizes differ");
+  To to;
+  std::memcpy(&to, &from, sizeof to);
+  return to;
+}
+
+/// The larger of a and b, lane by lane, where a NaN in either wins (std::max and maxps drop it).
+inline f32x4 max_keep_nan(f32x4 a, f32x4 b) { return (a > b || a != a) ? a : b; }
+
+/// The largest of the four lanes; NaN if a lane is NaN.
+inline float max_lane(f32x4 v) {
+  float m = v[0];
+  for (int k = 1; k < kLanes; ++k) m = (v[k] > m || v[k] != v[k]) ? v[k] : m;
+  return m;
+}
+
+/// e^x lane by lane for x <= 0 (about 1 ulp): e^-inf = 0 (so is anything below -87), e^0 = 1,
+/// NaN stays NaN. Cephes' expf without a branch or a library call, so it stays in the vector
+/// registers (std::exp is one scalar call per element). A float-to-int conversion is avoided: the
+/// integer n = round(x log2 e) is read from the low bits of x log2 e + 1.5·2^23.
+inline f32x4 exp_nonpos(f32x4 x) {
+  const f32x4 magic = f32x4{} + 12582912.0f;  // 1.5 · 2^23
+  const f32x4 t = x * 1.44269504088896341f + magic;
+  const f32x4 n = t - magic;
+  const f32x4 r = (x - n * 0.693359375f) - n * -2.12194440e-4f;  // x - n ln 2, in two parts
+  f32x4 p = f32x4{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;  // e^r
+  const u32x4 two_n = ((bits<u32x4>(t) - 0x4B400000u) + 127u) << 23;  // 2^n, built in the exponent field
+  const u32x4 keep = bits<u32x4>(!(x < -87.0f));                         // all ones unless x < -87 (NaN: kept)
+  const u32x4 big = bits<u32x4>(x > 88.0f);                              // past float's range: +inf
+  return bits<f32x4>((bits<u32x4>(p * bits<f32x4>(two_n)) & keep & ~big) | (big & 0x7F800000u));
+}
+
+/// One (batch, kv head)'s keys and values, float32, in tiles of kBc keys (the last one padded
+/// with zero keys): kt holds each tile transposed, [dim][key] as kKeyVecs vectors per dim, so
+/// that a row's kBc scores are kKeyVecs vector products; v holds rows of dp floats. The smallest
+/// and largest key position of each tile decide the causal skip.
+struct KeyTiles {
+  int64_t dp = 0, tiles = 0;  // dp: the head dim padded to a multiple of kDimAlign
+  std::vector<f32x4> kt;      // [tiles][dp][kKeyVecs]
+  std::vector<float> v;       // [tiles · kBc][dp]
+  std::vector<int64_t> min_pos, max_pos;
+};
+
 template <typename T>
-void attend_row(const T* q_row, const T* k_head, const T* v_head, const int64_t* k_pos, int64_t q_pos, bool causal,
-                float scale, int64_t seq_k, int64_t d_model, float* o, T* out_row, float* lse) {
-  // BEGIN SOLUTION task 2: one query row, tile by tile
-  // STUB: // TODO(lesson 03, task 2): m = -inf, l = 0, o = 0. For each tile of kBc keys: the scores
-  // STUB: // s_j = scale · q·k_j (-inf if causal and k_pos[j] > q_pos), the tile max; skip a tile with
-  // STUB: // no visible key; m_new = max(m, tile max); rescale l and o by exp(m − m_new); add
-  // STUB: // exp(s_j − m_new) to l and exp(s_j − m_new)·v_j to o for every key with s_j > -inf. Then
-  // STUB: // out = o / l and lse = m + log l (+inf if m = +inf), or out = 0 and lse = -inf when l = 0.
-  // STUB: // NaN is never a masked key: the maxima must keep it (std::max drops it), l = 0 means empty.
-  // STUB: (void)q_row, (void)k_head, (void)v_head, (void)k_pos, (void)q_pos, (void)causal, (void)scale,
-  // STUB: (void)seq_k, (void)d_model, (void)o, (void)out_row, (void)lse;
-  // STUB: throw NotImplemented("lesson 03, task 2: attend_row (the CPU tile loop)");
-  float m = -INFINITY, l = 0.0f;
-  std::fill(o, o + d_model, 0.0f);
-  float s[kBc];
-  for (int64_t j0 = 0; j0 < seq_k; j0 += kBc) {
-    const int64_t n = std::min(kBc, seq_k - j0);
-    float tile_max = -INFINITY;
-    for (int64_t jj = 0; jj < n; ++jj) {
-      const int64_t j = j0 + jj;
-      if (causal && k_pos[j] > q_pos) {
-        s[jj] = -INFINITY;
-        continue;
-      }
-      float dot = 0.0f;
-      for (int64_t d = 0; d < d_model; ++d) dot += static_cast<float>(q_row[d]) * static_cast<float>(k_head[j * d_model + d]);
-      s[jj] = dot * scale;
-      tile_max = (s[jj] > tile_max || s[jj] != s[jj]) ? s[jj] : tile_max;  // NaN wins: std::max drops it
+void pack_keys(const T* k, const T* v, const int64_t* k_pos, int64_t seq_k, int64_t d_model, KeyTiles& kv) {
+  kv.dp = (d_model + kDimAlign - 1) / kDimAlign * kDimAlign;
+  kv.tiles = (seq_k + kBc - 1) / kBc;
+  kv.kt.assign(kv.tiles * kv.dp * kKeyVecs, f32x4{});
+  kv.v.assign(kv.tiles * kBc * kv.dp, 0.0f);
+  kv.min_pos.assign(kv.tiles, std::numeric_limits<int64_t>::max());
+  kv.max_pos.assign(kv.tiles, std::numeric_limits<int64_t>::min());
+  for (int64_t j = 0; j < seq_k; ++j) {
+    const int64_t t = j / kBc, jj = j % kBc;
+    float* kt = reinterpret_cast<float*>(kv.kt.data() + t * kv.dp * kKeyVecs);
+    for (int64_t d = 0; d < d_model; ++d) {
+      kt[d * kBc + jj] = static_cast<float>(k[j * d_model + d]);
+      kv.v[j * kv.dp + d] = static_cast<float>(v[j * d_model + d]);
     }
-    if (tile_max == -INFINITY) continue;  // no visible key in this tile
-    const float m_new = (tile_max > m || tile_max != tile_max) ? tile_max : m;  // NaN in m or tile_max wins
-    const float alpha = std::exp(m - m_new);  // 0 on the first visible tile (m = -inf)
-    l *= alpha;
-    for (int64_t d = 0; d < d_model; ++d) o[d] *= alpha;
-    for (int64_t jj = 0; jj < n; ++jj) {
-      if (s[jj] == -INFINITY) continue;  // a masked key; a visible one counts even at p = 0 (its v may be NaN)
-      const float p = std::exp(s[jj] - m_new);
-      l += p;
-      const T* v_row = v_head + (j0 + jj) * d_model;
-      for (int64_t d = 0; d < d_model; ++d) o[d] += p * static_cast<float>(v_row[d]);
-    }
-    m = m_new;
+    kv.min_pos[t] = std::min(kv.min_pos[t], k_pos[j]);
+    kv.max_pos[t] = std::max(kv.max_pos[t], k_pos[j]);
   }
-  // l = 0: no visible key, out 0 and lse -inf. Not `l > 0`, which a NaN row (l = NaN) would fail.
-  const float inv_l = l == 0.0f ? 0.0f : 1.0f / l;
-  for (int64_t d = 0; d < d_model; ++d) out_row[d] = static_cast<T>(o[d] * inv_l);
-  *lse = l == 0.0f ? -INFINITY : m == INFINITY ? INFINITY : m + std::log(l);  // a +inf score: l = inf/inf = NaN
+}
+
+/// The (m, l, O) state of a query tile's rows: O is [kBr][dp], unnormalised, float32.
+struct RowState {
+  float m[kBr], l[kBr];
+  std::vector<float> o;
+};
+
+/// Task 2: rows query rows (q: [rows][dp] float32, positions q_pos) against one key tile of n
+/// keys (kt: [dp][kKeyVecs] vectors, v: [kBc][dp], positions k_pos). masked: some pair may be
+/// hidden (a causal tile that is not entirely in the past of every row), else every pair of the
+/// first n keys is visible. Updates m, l and O of every row in `state`.
+void attend_tile(const float* q, int64_t rows, const f32x4* kt, const float* v, int64_t n, const int64_t* q_pos,
+                 const int64_t* k_pos, bool masked, float scale, int64_t dp, RowState& state) {
+  // BEGIN SOLUTION task 2: one query tile against one key tile
+  // STUB: // TODO(lesson 03, task 2): the scores of each row against the tile's keys, then its (m, l, O) update.
+  // STUB: // README, "Task 2 — the CPU forward (`block_attention.cpp`)" and "The CPU path".
+  // STUB: (void)q, (void)rows, (void)kt, (void)v, (void)n, (void)q_pos, (void)k_pos, (void)masked, (void)scale,
+  // STUB: (void)dp, (void)state;
+  // STUB: throw NotImplemented("lesson 03, task 2: attend_tile (the CPU tile loop)");
+  for (int64_t i = 0; i < rows; ++i) {
+    // 1. The row's kBc scores: kKeyVecs accumulators that stay in registers over the head dim.
+    const float* q_i = q + i * dp;
+    f32x4 acc[kKeyVecs] = {};
+    for (int64_t d = 0; d < dp; ++d) {
+      const float q_id = q_i[d];
+#pragma GCC unroll 8
+      for (int64_t c = 0; c < kKeyVecs; ++c) acc[c] += q_id * kt[d * kKeyVecs + c];
+    }
+    // 2. Scale, mask (-inf: hidden, or past the last key), and the tile maximum (NaN wins).
+    alignas(16) float s[kBc];
+    f32x4 tile_max = f32x4{} - INFINITY;
+#pragma GCC unroll 8
+    for (int64_t c = 0; c < kKeyVecs; ++c) {
+      store4(s + c * kLanes, acc[c] * scale);
+      tile_max = max_keep_nan(acc[c] * scale, tile_max);
+    }
+    if (masked || n < kBc) {
+      tile_max = f32x4{} - INFINITY;
+      for (int64_t jj = 0; jj < kBc; ++jj)
+        if (jj >= n || (masked && k_pos[jj] > q_pos[i])) s[jj] = -INFINITY;
+      for (int64_t c = 0; c < kKeyVecs; ++c) tile_max = max_keep_nan(load4(s + c * kLanes), tile_max);
+    }
+    const float m_tile = max_lane(tile_max);
+    if (m_tile == -INFINITY) continue;  // no visible key in this tile for this row
+    // 3. The online update: one rescale of l and O, then p = e^(s - m_new) in vectors.
+    float& m = state.m[i];
+    const float m_new = (m_tile > m || m_tile != m_tile) ? m_tile : m;  // NaN in m or the tile wins
+    const float alpha = std::exp(m - m_new);                              // 0 on the row's first visible tile
+    m = m_new;
+    alignas(16) float p[kBc];
+    f32x4 p_sum = {};
+#pragma GCC unroll 8
+    for (int64_t c = 0; c < kKeyVecs; ++c) {
+      const f32x4 p_c = exp_nonpos(load4(s + c * kLanes) - m_new);
+      store4(p + c * kLanes, p_c);
+      p_sum += p_c;
+    }
+    state.l[i] = state.l[i] * alpha + ((p_sum[0] + p_sum[1]) + (p_sum[2] + p_sum[3]));
+    // 4. O = alpha O + P V, 32 dims at a time in 8 accumulators. A key with s = -inf (hidden)
+    //    is skipped, not multiplied by p = 0: its v may be NaN. A visible key counts at p = 0.
+    float* o_i = state.o.data() + i * dp;
+    for (int64_t d0 = 0; d0 < dp; d0 += kDimAlign) {
+      f32x4 o[kDimVecs];
+#pragma GCC unroll 8
+      for (int64_t c = 0; c < kDimVecs; ++c) o[c] = load4(o_i + d0 + c * kLanes) * alpha;
+      for (int64_t jj = 0; jj < kBc; ++jj) {
+        if (s[jj] == -INFINITY) continue;
+        const float p_j = p[jj];
+        const float* v_j = v + jj * dp + d0;
+#pragma GCC unroll 8
+        for (int64_t c = 0; c < kDimVecs; ++c) o[c] += p_j * load4(v_j + c * kLanes);
+      }
+#pragma GCC unroll 8
+      for (int64_t c = 0; c < kDimVecs; ++c) store4(o_i + d0 + c * kLanes, o[c]);
+    }
+  }
+  // END SOLUTION
+}
+
+/// Task 2: out ([rows][d_model], the input dtype) and lse of a query tile's rows from their state.
+template <typename T>
+void finish_rows(const RowState& state, int64_t rows, int64_t d_model, int64_t dp, T* out, float* lse) {
+  // BEGIN SOLUTION task 2: out and lse of the tile's rows
+  // STUB: // TODO(lesson 03, task 2): out = O / l and lse = m + log l of each row (0 and -inf for a row with no visible key).
+  // STUB: (void)state, (void)rows, (void)d_model, (void)dp, (void)out, (void)lse;
+  // STUB: throw NotImplemented("lesson 03, task 2: finish_rows");
+  for (int64_t i = 0; i < rows; ++i) {
+    const float m = state.m[i], l = state.l[i];
+    // l = 0: no visible key, out 0 and lse -inf. Not `l > 0`, which a NaN row (l = NaN) would fail.
+    const float inv_l = l == 0.0f ? 0.0f : 1.0f / l;
+    for (int64_t d = 0; d < d_model; ++d) out[i * d_model + d] = static_cast<T>(state.o[i * dp + d] * inv_l);
+    lse[i] = l == 0.0f ? -INFINITY : m == INFINITY ? INFINITY : m + std::log(l);  // a +inf score: l = inf/inf = NaN
+  }
   // END SOLUTION
 }
 
@@ -76,7 +221,9 @@ AttnResult forward_cpu(const torch::Tensor& q, const torch::Tensor& k, const tor
                        const AttentionShapes& s) {
   AttnResult result{torch::empty_like(q), torch::empty({s.batch, s.heads_q, s.seq_q}, q.options().dtype(torch::kFloat))};
   const int64_t group = s.heads_q / s.heads_kv;
-  std::vector<float> o(s.head_dim);
+  KeyTiles kv;
+  RowState state;
+  std::vector<float> q_tile;
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attention_block_forward", [&] {
     const scalar_t* pq = q.data_ptr<scalar_t>();
     const scalar_t* pk = k.data_ptr<scalar_t>();
@@ -88,10 +235,30 @@ AttnResult forward_cpu(const torch::Tensor& q, const torch::Tensor& k, const tor
     for (int64_t b = 0; b < s.batch; ++b) {
       for (int64_t h = 0; h < s.heads_q; ++h) {
         const int64_t bh = b * s.heads_q + h, bh_kv = b * s.heads_kv + h / group;
-        for (int64_t i = 0; i < s.seq_q; ++i) {
-          attend_row(pq + (bh * s.seq_q + i) * s.head_dim, pk + bh_kv * s.seq_k * s.head_dim,
-                     pv + bh_kv * s.seq_k * s.head_dim, kp, qp[i], causal, scale, s.seq_k, s.head_dim, o.data(),
-                     pout + (bh * s.seq_q + i) * s.head_dim, plse + bh * s.seq_q + i);
+        if (h % group == 0) {  // the group's query heads share one packed kv head
+          pack_keys(pk + bh_kv * s.seq_k * s.head_dim, pv + bh_kv * s.seq_k * s.head_dim, kp, s.seq_k, s.head_dim, kv);
+          q_tile.assign(kBr * kv.dp, 0.0f);
+          state.o.resize(kBr * kv.dp);
+        }
+        for (int64_t i0 = 0; i0 < s.seq_q; i0 += kBr) {
+          const int64_t rows = std::min(kBr, s.seq_q - i0);
+          const scalar_t* q_rows = pq + (bh * s.seq_q + i0) * s.head_dim;
+          int64_t q_min = std::numeric_limits<int64_t>::max(), q_max = std::numeric_limits<int64_t>::min();
+          for (int64_t i = 0; i < rows; ++i) {
+            for (int64_t d = 0; d < s.head_dim; ++d) q_tile[i * kv.dp + d] = static_cast<float>(q_rows[i * s.head_dim + d]);
+            q_min = std::min(q_min, qp[i0 + i]);
+            q_max = std::max(q_max, qp[i0 + i]);
+            state.m[i] = -INFINITY;
+            state.l[i] = 0.0f;
+          }
+          std::fill(state.o.begin(), state.o.end(), 0.0f);
+          for (int64_t t = 0; t < kv.tiles; ++t) {
+            if (causal && kv.min_pos[t] > q_max) continue;  // every key of the tile after every row: skip it
+            const bool masked = causal && kv.max_pos[t] > q_min;  // else every key is before every row
+            attend_tile(q_tile.data(), rows, kv.kt.data() + t * kv.dp * kKeyVecs, kv.v.data() + t * kBc * kv.dp,
+                        std::min(kBc, s.seq_k - t * kBc), qp + i0, kp + t * kBc, masked, scale, kv.dp, state);
+          }
+          finish_rows(state, rows, s.head_dim, kv.dp, pout + (bh * s.seq_q + i0) * s.head_dim, plse + bh * s.seq_q + i0);
         }
       }
     }
@@ -178,10 +345,8 @@ void merge_attention(torch::Tensor& out_acc, torch::Tensor& lse_acc, const torch
   check_merge_operand(out_blk, out_acc, "out_blk", false);
   check_merge_operand(lse_blk, lse_acc, "lse_blk", true);
   // BEGIN SOLUTION task 1: the merge
-  // STUB: // TODO(lesson 03, task 1): m = max(lse_acc, lse_blk); weights w = exp(lse − m) (use 0 as a
-  // STUB: // stand-in for m where it is ±inf, as torch.logsumexp does: both sides empty, or a +inf score);
-  // STUB: // out = (w_acc·out_acc + w_blk·out_blk) / (w_acc + w_blk), lse = m + log(w_acc + w_blk); rows
-  // STUB: // where both sides are empty stay (0, -inf); a NaN on either side gives NaN. In place.
+  // STUB: // TODO(lesson 03, task 1): merge (out_blk, lse_blk) into (out_acc, lse_acc), in place.
+  // STUB: // README, "Task 1 — `merge_attention` (`block_attention.cpp`)" and "The merge".
   // STUB: throw NotImplemented("lesson 03, task 1: merge_attention");
   const torch::Tensor m = torch::maximum(lse_acc, lse_blk);  // NaN if either side is NaN
   // ±inf -> 0, as in torch.logsumexp: -inf (both empty) avoids -inf − (-inf); +inf (a +inf score)

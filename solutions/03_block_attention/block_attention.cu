@@ -13,6 +13,7 @@
 #include "common/cuda_check.h"
 #include "common/error.h"
 #include "kernels/dtype.cuh"
+#include "kernels/tile.cuh"
 #include "kernels/warp.cuh"
 
 namespace cp {
@@ -23,13 +24,12 @@ using kernels::kFullWarp;
 constexpr int kBr = 64;        // query rows per block
 constexpr int kBc = 32;        // keys per tile
 constexpr int kSlice = 32;     // dims per thread
-constexpr int kSlicePad = 33;  // a slice's stride in shared memory: the group's threads hit different banks
 
 template <int D>
-constexpr int kRowStride = (D / kSlice) * kSlicePad;  // floats per key in shared memory
+using Tile = kernels::PaddedTile<D, kSlice>;  // a key's D floats in shared memory, padded per slice
 
 template <int D>
-constexpr size_t kSharedBytes = 2 * kBc * kRowStride<D> * sizeof(float);  // the K and V tiles
+constexpr size_t kSharedBytes = 2 * kBc * Tile<D>::kStride * sizeof(float);  // the K and V tiles
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kBr * (D / kSlice))
@@ -43,8 +43,8 @@ __global__ void __launch_bounds__(kBr * (D / kSlice))
                                    BlockAttentionParams p) {
   constexpr int kGroup = D / kSlice;  // threads per query row
   extern __shared__ float smem[];
-  float* k_tile = smem;                         // [kBc][kRowStride]
-  float* v_tile = smem + kBc * kRowStride<D>;  // [kBc][kRowStride]
+  float* k_tile = smem;                          // [kBc][Tile::kStride]
+  float* v_tile = smem + kBc * Tile<D>::kStride;  // [kBc][Tile::kStride]
   __shared__ int64_t kpos_tile[kBc];
   __shared__ int64_t block_max_q_pos;
 
@@ -87,27 +87,19 @@ __global__ void __launch_bounds__(kBr * (D / kSlice))
       }
     }
 
-    for (int idx = t; idx < kBc * D; idx += blockDim.x) {  // consecutive threads, consecutive dims
-      const int jj = idx / D, dd = idx % D;
-      const int s = jj * kRowStride<D> + (dd / kSlice) * kSlicePad + dd % kSlice;
-      k_tile[s] = jj < n ? kernels::to_float(k_head[(j0 + jj) * D + dd]) : 0.0f;
-      v_tile[s] = jj < n ? kernels::to_float(v_head[(j0 + jj) * D + dd]) : 0.0f;
-    }
+    Tile<D>::template load<kBc>(k_tile, k_head, j0, n);
+    Tile<D>::template load<kBc>(v_tile, v_head, j0, n);
     __syncthreads();  // the K and V tiles are complete
 
     // BEGIN SOLUTION task 3: scores of the tile and the (m, l, O) update
-    // STUB: // TODO(lesson 03, task 3): (a) for each key jj of the tile: the partial dot product of
-    // STUB: // q_reg with your slice of k_tile (row jj, slice g), summed over the row group with
-    // STUB: // __shfl_xor_sync (offsets kGroup/2 … 1); -inf if jj >= n or (causal and
-    // STUB: // kpos_tile[jj] > my_pos). (b) if the tile has a visible key: m_new = max(m, tile max),
-    // STUB: // rescale l and o by exp(m − m_new), add exp(s − m_new) to l and exp(s − m_new)·v to o for
-    // STUB: // the keys with s > -inf. NaN is never a masked key: the maxima must keep it (fmaxf drops it).
+    // STUB: // TODO(lesson 03, task 3): (a) the tile's scores (dot product, shuffle, mask), then the (m, l, O) update.
+    // STUB: // README, "Task 3 — the CUDA kernel and its launch (`block_attention.cu`)", (a): steps 4 and 5.
     // STUB: (void)m, (void)l, (void)my_pos, (void)q_reg;
     float s[kBc];
     float tile_max = -INFINITY;
 #pragma unroll
     for (int jj = 0; jj < kBc; ++jj) {
-      const float* k_row = k_tile + jj * kRowStride<D> + g * kSlicePad;
+      const float* k_row = k_tile + Tile<D>::at(jj, g * kSlice);
       float part = 0.0f;
 #pragma unroll
       for (int d = 0; d < kSlice; ++d) part += q_reg[d] * k_row[d];
@@ -126,7 +118,7 @@ __global__ void __launch_bounds__(kBr * (D / kSlice))
       for (int jj = 0; jj < kBc; ++jj) {
         if (s[jj] == -INFINITY) continue;  // masked: left out, even a NaN in its v (0 · NaN = NaN)
         const float pj = expf(s[jj] - m_new);
-        const float* v_row = v_tile + jj * kRowStride<D> + g * kSlicePad;
+        const float* v_row = v_tile + Tile<D>::at(jj, g * kSlice);
         l += pj;
         for (int d = 0; d < kSlice; ++d) o[d] += pj * v_row[d];
       }
@@ -138,8 +130,8 @@ __global__ void __launch_bounds__(kBr * (D / kSlice))
 
   if (!active) return;
   // BEGIN SOLUTION task 3: write out and lse
-  // STUB: // TODO(lesson 03, task 3): out = O / l (0 if l = 0: no visible key), lse = m + log l
-  // STUB: // (-inf if l = 0, +inf if m = +inf), written by one thread of the row group.
+  // STUB: // TODO(lesson 03, task 3): (b) out = O / l and lse = m + log l of the row.
+  // STUB: // README, "Task 3 — the CUDA kernel and its launch (`block_attention.cu`)", (b).
   // STUB: (void)out, (void)lse;
   // l = 0: no visible key, out 0 and lse -inf. Not `l > 0`, which a NaN row (l = NaN) would fail.
   const float inv_l = l == 0.0f ? 0.0f : 1.0f / l;
@@ -160,8 +152,8 @@ void launch(const void* q, const void* k, const void* v, void* out, float* lse, 
            kSharedBytes<D>, " bytes of shared memory per block, the device allows ", max_shared);
   const dim3 grid(static_cast<unsigned>(p.batch * p.heads_q), static_cast<unsigned>((p.seq_q + kBr - 1) / kBr));
   // BEGIN SOLUTION task 3: launch
-  // STUB: // TODO(lesson 03, task 3): launch `kernel` on `grid` with kBr·(D/kSlice) threads,
-  // STUB: // kSharedBytes<D> bytes of dynamic shared memory, on `stream`; check the launch.
+  // STUB: // TODO(lesson 03, task 3): (c) launch `kernel` on `grid`, with its threads and dynamic shared memory, and check it.
+  // STUB: // README, "Task 3 — the CUDA kernel and its launch (`block_attention.cu`)", (c).
   // STUB: (void)kernel, (void)grid, (void)q, (void)k, (void)v, (void)out, (void)lse, (void)q_pos, (void)k_pos,
   // STUB: (void)stream;
   // STUB: throw NotImplemented("lesson 03, task 3: launch the block attention kernel");

@@ -10,6 +10,7 @@
 #include "common/cuda_check.h"
 #include "common/error.h"
 #include "kernels/dtype.cuh"
+#include "kernels/tile.cuh"
 #include "kernels/warp.cuh"
 
 namespace cp {
@@ -20,33 +21,7 @@ using kernels::kFullWarp;
 constexpr int kRows = 64;  // rows (queries for dQ, keys for dK/dV) owned per block
 constexpr int kTile = 32;  // rows of the other side streamed through shared memory per step
 
-/// Each owned row is split over a group of D/kSlice threads; kSlice + 1 floats of padding per
-/// slice in shared memory put the group's threads on different banks.
-template <int D, int kSlice>
-struct Layout {
-  static constexpr int kGroup = D / kSlice;
-  static constexpr int kStride = kGroup * (kSlice + 1);  // floats per tile row in shared memory
-  static __device__ __forceinline__ int at(int row, int dim) {
-    return row * kStride + (dim / kSlice) * (kSlice + 1) + dim % kSlice;
-  }
-};
-
-/// Sum over the kGroup adjacent threads of a row group (all lanes get the total).
-template <int kGroup>
-__device__ __forceinline__ float group_sum(float x) {
-#pragma unroll
-  for (int offset = kGroup / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(kFullWarp, x, offset);
-  return x;
-}
-
-/// Loads rows [row0, row0 + n) of a [rows, D] matrix into a padded float tile (zeros past n).
-template <typename T, int D, int kSlice>
-__device__ void load_tile(float* tile, const T* src, int64_t row0, int n) {
-  for (int idx = threadIdx.x; idx < kTile * D; idx += blockDim.x) {
-    const int r = idx / D, d = idx % D;
-    tile[Layout<D, kSlice>::at(r, d)] = r < n ? kernels::to_float(src[(row0 + r) * D + d]) : 0.0f;
-  }
-}
+using kernels::group_sum;
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kRows * (D / 32))
@@ -54,7 +29,7 @@ __global__ void __launch_bounds__(kRows * (D / 32))
               const float* __restrict__ lse, const float* __restrict__ delta, const int64_t* __restrict__ q_pos,
               const int64_t* __restrict__ k_pos, float* __restrict__ dq, BlockAttentionParams p) {
   constexpr int kSlice = 32;
-  using L = Layout<D, kSlice>;
+  using L = kernels::PaddedTile<D, kSlice>;
   extern __shared__ float smem[];
   float* k_tile = smem;                   // [kTile][kStride]
   float* v_tile = smem + kTile * L::kStride;
@@ -96,15 +71,13 @@ __global__ void __launch_bounds__(kRows * (D / 32))
         continue;
       }
     }
-    load_tile<T, D, kSlice>(k_tile, k + bh_kv * p.seq_k * D, j0, n);
-    load_tile<T, D, kSlice>(v_tile, v + bh_kv * p.seq_k * D, j0, n);
+    L::template load<kTile>(k_tile, k + bh_kv * p.seq_k * D, j0, n);
+    L::template load<kTile>(v_tile, v + bh_kv * p.seq_k * D, j0, n);
     __syncthreads();  // the tiles are complete
 
     // BEGIN SOLUTION task 2: dQ of one key tile
-    // STUB: // TODO(lesson 05, task 2): for each key jj: s = q_reg·k (group_sum), dp = do_reg·v (group_sum);
-    // STUB: // if the key is visible and lse_i ≠ -inf (a NaN lse is no empty row): p = exp(s − lse_i),
-    // STUB: // ds = p·(dp − delta_i), dq_acc += ds·k. A hidden pair adds nothing (not 0·NaN).
-    // STUB: // (q_reg already carries the scale; dQ gets it once more at the end.)
+    // STUB: // TODO(lesson 05, task 2): (a) for each key of the tile: s and dP (group_sum), then ds and dq_acc += ds·k.
+    // STUB: // README, "Task 2 — the two kernels and their launch (`block_backward.cu`)", (a).
     // STUB: (void)lse_i, (void)delta_i, (void)my_pos, (void)q_reg, (void)do_reg;
     for (int jj = 0; jj < kTile; ++jj) {
       const float* k_row = k_tile + L::at(jj, g * kSlice);
@@ -139,7 +112,7 @@ __global__ void __launch_bounds__(kRows * (D / 16))
                 const int64_t* __restrict__ q_pos, const int64_t* __restrict__ k_pos, float* __restrict__ dk,
                 float* __restrict__ dv, BlockAttentionParams p) {
   constexpr int kSlice = 16;  // four accumulators per row (k, v, dk, dv): smaller slices, fewer registers
-  using L = Layout<D, kSlice>;
+  using L = kernels::PaddedTile<D, kSlice>;
   extern __shared__ float smem[];
   float* q_tile = smem;                    // [kTile][kStride]
   float* do_tile = smem + kTile * L::kStride;
@@ -186,15 +159,13 @@ __global__ void __launch_bounds__(kRows * (D / 16))
           continue;
         }
       }
-      load_tile<T, D, kSlice>(q_tile, q + hq * p.seq_q * D, i0, n);
-      load_tile<T, D, kSlice>(do_tile, dout + hq * p.seq_q * D, i0, n);
+      L::template load<kTile>(q_tile, q + hq * p.seq_q * D, i0, n);
+      L::template load<kTile>(do_tile, dout + hq * p.seq_q * D, i0, n);
       __syncthreads();  // the tiles are complete
 
       // BEGIN SOLUTION task 2: dK and dV of one query tile
-      // STUB: // TODO(lesson 05, task 2): for each query ii: s = k_reg·q (group_sum; k_reg carries the
-      // STUB: // scale), dp = v_reg·dO (group_sum); if visible (causal: my_pos <= qpos_tile[ii]) and
-      // STUB: // lse ≠ -inf (a NaN lse is no empty row): p = exp(s − lse), dv_acc += p·dO,
-      // STUB: // ds = p·(dp − delta), dk_acc += ds·q. A hidden pair adds nothing (not 0·NaN).
+      // STUB: // TODO(lesson 05, task 2): (b) for each query of the tile: s, p, dv_acc += p·dO, dP, ds, dk_acc += ds·q.
+      // STUB: // README, "Task 2 — the two kernels and their launch (`block_backward.cu`)", (b).
       // STUB: (void)my_pos, (void)k_reg, (void)v_reg;
       for (int ii = 0; ii < kTile; ++ii) {
         const float* q_row = q_tile + L::at(ii, g * kSlice);
@@ -235,8 +206,8 @@ template <typename T, int D>
 void launch(const void* q, const void* k, const void* v, const void* dout, const float* lse, const float* delta,
             const int64_t* q_pos, const int64_t* k_pos, float* dq, float* dk, float* dv, const BlockAttentionParams& p,
             cudaStream_t stream) {
-  constexpr size_t dq_smem = 2 * kTile * Layout<D, 32>::kStride * sizeof(float);
-  constexpr size_t dkdv_smem = 2 * kTile * Layout<D, 16>::kStride * sizeof(float);
+  constexpr size_t dq_smem = 2 * kTile * kernels::PaddedTile<D, 32>::kStride * sizeof(float);
+  constexpr size_t dkdv_smem = 2 * kTile * kernels::PaddedTile<D, 16>::kStride * sizeof(float);
   int device = 0, max_shared = 0;
   CUDA_CHECK(cudaGetDevice(&device));
   CUDA_CHECK(cudaDeviceGetAttribute(&max_shared, cudaDevAttrMaxSharedMemoryPerBlock, device));
@@ -248,9 +219,8 @@ void launch(const void* q, const void* k, const void* v, const void* dout, const
   const auto* tv = static_cast<const T*>(v);
   const auto* tdo = static_cast<const T*>(dout);
   // BEGIN SOLUTION task 2: launch both kernels
-  // STUB: // TODO(lesson 05, task 2): dq_kernel on (B·Hq, ⌈Sq/kRows⌉) blocks of kRows·D/32 threads with
-  // STUB: // dq_smem bytes; dkdv_kernel on (B·Hkv, ⌈Sk/kRows⌉) blocks of kRows·D/16 threads with
-  // STUB: // dkdv_smem bytes; both on `stream`, each launch checked.
+  // STUB: // TODO(lesson 05, task 2): (c) launch dq_kernel and dkdv_kernel on `stream`, each launch checked.
+  // STUB: // README, "Task 2 — the two kernels and their launch (`block_backward.cu`)", (c).
   // STUB: (void)tq, (void)tk, (void)tv, (void)tdo, (void)lse, (void)delta, (void)q_pos, (void)k_pos, (void)dq, (void)dk,
   // STUB: (void)dv, (void)p, (void)stream;
   // STUB: throw NotImplemented("lesson 05, task 2: launch the backward kernels");

@@ -20,18 +20,12 @@ RingGrads ring_attention_backward(Comm& comm, const torch::Tensor& dout, const t
   CP_CHECK(lse.defined() && lse.sizes() == q.sizes().slice(0, 3), "lse: expected shape ", q.sizes().slice(0, 3),
            " ([B, Hq, S/N] of q), got ", lse.defined() ? lse.sizes() : torch::IntArrayRef{});
   const int rank = comm.rank(), n = comm.size();
-  const torch::Tensor q_pos = options.layout.positions(rank, n, chunk, q.device());
+  const torch::Tensor q_pos = options.schedule.positions(rank, n, chunk, q.device());
 
   RingGrads result;
   // BEGIN SOLUTION task 3: the backward ring
-  // STUB: // TODO(lesson 05, task 3): dq (float32 zeros) stays here. The current K/V chunk comes with
-  // STUB: // float32 accumulators dk, dv (zeros at first). At step t = 0 … N−1 (chunk of rank (r − t) mod N):
-  // STUB: // start the K/V exchange for the next step (t < N−1; before computing if options.overlap),
-  // STUB: // then, as the forward does with options.layout.plan, add attention_block_backward's grads of the
-  // STUB: // planned rows into the planned rows of dq, dk, dv (narrow views); then send dk, dv
-  // STUB: // to r+1 with their chunk and receive the accumulators of the arriving chunk from r−1 — also
-  // STUB: // after the last step: that hop brings your own chunk's gradients home. Fill result.stats.
-  // STUB: // Move chunks and accumulators with options.exchange (it sends to r+1, receives from r−1).
+  // STUB: // TODO(lesson 05, task 3): the backward ring: K/V rotate, dq stays, dk and dv travel with their chunk (N hops).
+  // STUB: // README, "Task 3 — the ring backward (`ring_attention_backward.cpp`)" and "The ring backward".
   // STUB: (void)dout, (void)out, (void)options, (void)q_pos, (void)n;
   // STUB: throw NotImplemented("lesson 05, task 3: ring_attention_backward");
   const auto f32 = q.options().dtype(torch::kFloat);
@@ -53,14 +47,14 @@ RingGrads ring_attention_backward(Comm& comm, const torch::Tensor& dout, const t
     const bool more_kv = t < n - 1;
     Request kv;
     if (more_kv && options.overlap) kv = start_kv_exchange(t);
-    const BlockPlan plan = options.layout.plan(rank, source, n, chunk, options.causal);
+    const BlockPlan plan = options.schedule.plan(rank, source, n, chunk, options.causal);
     if (!plan.compute) {
       ++result.stats.steps_skipped;  // nothing visible; the chunk and its accumulators still move on
     } else {
       wait_for_device_work(q);  // on a GPU, the time and the span below cover this block's kernels only
       TraceSpan compute(options.trace, rank, "compute", "backward block of rank " + std::to_string(source));
       const auto start = std::chrono::steady_clock::now();
-      const AttentionMask mask = plan_mask(plan, q_pos, options.layout.positions(source, n, chunk, q.device()));
+      const AttentionMask mask = plan_mask(plan, q_pos, options.schedule.positions(source, n, chunk, q.device()));
       auto q_rows = [&](const torch::Tensor& t) { return t.narrow(2, plan.q_begin, plan.q_len); };
       auto k_rows = [&](const torch::Tensor& t) { return t.narrow(2, plan.k_begin, plan.k_len); };
       const AttnGrads g = attention_block_backward(q_rows(dout), q_rows(q), k_rows(k_cur), k_rows(v_cur), q_rows(out),

@@ -5,12 +5,12 @@
 
 namespace cp {
 
-std::string to_string(Exchange how) {
+std::string to_string(ExchangeMethod how) {
   switch (how) {
-    case Exchange::Naive: return "naive";
-    case Exchange::OddEven: return "odd-even";
-    case Exchange::SendRecv: return "sendrecv";
-    case Exchange::Batched: return "batched";
+    case ExchangeMethod::Naive: return "naive";
+    case ExchangeMethod::OddEven: return "odd-even";
+    case ExchangeMethod::SendRecv: return "sendrecv";
+    case ExchangeMethod::Batched: return "batched";
   }
   return "?";
 }
@@ -20,8 +20,8 @@ namespace {
 /// Task 1: every rank sends, then receives, with blocking calls.
 void naive(Comm& comm, const torch::Tensor& send, torch::Tensor& recv, int next, int prev) {
   // BEGIN SOLUTION task 1: the naive ring
-  // STUB: // TODO(lesson 06, task 1): comm.send to next, then comm.recv from prev. Run the test and
-  // STUB: // read the DeadlockError: with rendezvous sends, nobody ever reaches its receive.
+  // STUB: // TODO(lesson 06, task 1): comm.send to next, then comm.recv from prev; run the test and read the DeadlockError.
+  // STUB: // README, "Task 1 — the naive ring".
   // STUB: (void)comm, (void)send, (void)recv, (void)next, (void)prev;
   // STUB: throw NotImplemented("lesson 06, task 1: the naive exchange");
   comm.send(send, next);
@@ -32,9 +32,8 @@ void naive(Comm& comm, const torch::Tensor& send, torch::Tensor& recv, int next,
 /// Task 2: even ranks send first, odd ranks receive first.
 void odd_even(Comm& comm, const torch::Tensor& send, torch::Tensor& recv, int next, int prev) {
   // BEGIN SOLUTION task 2: the odd-even ring
-  // STUB: // TODO(lesson 06, task 2): an even rank sends to next and then receives from prev; an odd
-  // STUB: // rank receives first and then sends. (Why does this also work when N is odd, where the
-  // STUB: // last rank and rank 0 are both even? See the README.)
+  // STUB: // TODO(lesson 06, task 2): an even rank sends to next, then receives from prev; an odd rank the other way round.
+  // STUB: // README, "Task 2 — odd-even" (and "Odd-even ordering": why an odd N works too).
   // STUB: (void)comm, (void)send, (void)recv, (void)next, (void)prev;
   // STUB: throw NotImplemented("lesson 06, task 2: the odd-even exchange");
   if (comm.rank() % 2 == 0) {
@@ -49,7 +48,7 @@ void odd_even(Comm& comm, const torch::Tensor& send, torch::Tensor& recv, int ne
 
 }  // namespace
 
-void ring_exchange(Comm& comm, const torch::Tensor& send, torch::Tensor& recv, Exchange how) {
+void ring_exchange(Comm& comm, const torch::Tensor& send, torch::Tensor& recv, ExchangeMethod how) {
   CP_CHECK(send.defined() && recv.defined(), "ring_exchange: send and recv must be defined tensors");
   // In a ring every rank sends the same shape, so what arrives has send's shape; at N = 1 the
   // copy below would otherwise broadcast or convert instead of failing.
@@ -62,19 +61,19 @@ void ring_exchange(Comm& comm, const torch::Tensor& send, torch::Tensor& recv, E
     return;
   }
   switch (how) {
-    case Exchange::Naive: naive(comm, send, recv, next, prev); return;
-    case Exchange::OddEven: odd_even(comm, send, recv, next, prev); return;
+    case ExchangeMethod::Naive: naive(comm, send, recv, next, prev); return;
+    case ExchangeMethod::OddEven: odd_even(comm, send, recv, next, prev); return;
     // BEGIN SOLUTION task 3: the library's calls
     // STUB: // TODO(lesson 06, task 3): SendRecv with comm.sendrecv; Batched with one comm.start({…}).wait().
     // STUB: default: throw NotImplemented("lesson 06, task 3: sendrecv and batched exchanges");
-    case Exchange::SendRecv: comm.sendrecv(send, next, recv, prev); return;
-    case Exchange::Batched: comm.start({P2POp::send(send, next), P2POp::recv(recv, prev)}).wait(); return;
+    case ExchangeMethod::SendRecv: comm.sendrecv(send, next, recv, prev); return;
+    case ExchangeMethod::Batched: comm.start({P2POp::send(send, next), P2POp::recv(recv, prev)}).wait(); return;
     // END SOLUTION
   }
 }
 
-RingExchange ring_exchange_strategy(Exchange how) {
-  CP_CHECK(how != Exchange::Naive, "ring_exchange_strategy: the naive exchange deadlocks for N >= 2; use OddEven, "
+RingExchange ring_exchange_for(ExchangeMethod how) {
+  CP_CHECK(how != ExchangeMethod::Naive, "ring_exchange_for: the naive exchange deadlocks for N >= 2; use OddEven, "
                                    "SendRecv or Batched");
   return [how](Comm& comm, const std::vector<torch::Tensor>& outgoing, const std::vector<torch::Tensor>& incoming) {
     CP_CHECK(outgoing.size() == incoming.size(), "ring exchange: ", outgoing.size(), " tensors to send but ",

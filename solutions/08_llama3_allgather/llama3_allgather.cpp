@@ -39,8 +39,8 @@ torch::Tensor zigzag_varlen_positions(const torch::Tensor& cu_seqlens, int world
   const std::vector<int64_t> cu = check_cu_seqlens(cu_seqlens, /*total: any*/ -1, world);
   if (cu.size() == 1) return torch::empty({0}, torch::kLong);  // no documents, no tokens
   // BEGIN SOLUTION task 1: the varlen zig-zag layout
-  // STUB: // TODO(lesson 08, task 1): for each document d (tokens cu[d] … cu[d+1]−1), chunks of
-  // STUB: // c = length/(2N) tokens: chunk `rank`, then chunk 2N−1−rank. Concatenate over the documents.
+  // STUB: // TODO(lesson 08, task 1): per document, the packed rows of chunk `rank`, then those of chunk 2N−1−rank.
+  // STUB: // README, "Task 1 — `zigzag_varlen_positions`".
   // STUB: (void)cu;
   // STUB: throw NotImplemented("lesson 08, task 1: zigzag_varlen_positions");
   std::vector<torch::Tensor> pieces;
@@ -161,13 +161,8 @@ AttnGrads varlen_attention_backward(const torch::Tensor& dout, const torch::Tens
 std::vector<Llama3Call> llama3_plan(const std::vector<int64_t>& cu, int world, int rank, Llama3Mode mode) {
   CP_CHECK(world >= 1 && rank >= 0 && rank < world, "llama3_plan: rank ", rank, " is not in a world of ", world);
   // BEGIN SOLUTION task 2: query groups and K/V slices
-  // STUB: // TODO(lesson 08, task 2): in each document (length L, c = L/(2N), local rows: chunk r at
-  // STUB: // local offset o, then chunk 2N−1−r at o + c), the early query (chunk r < N) needs keys
-  // STUB: // 0 … L/2 − 1, the late one the whole document. TwoKernels: call 0 = the early chunks of all
-  // STUB: // documents against the first halves (gathered rows cu[d] … cu[d] + L/2 − 1), call 1 = the
-  // STUB: // late chunks against everything (kv_rows undefined). Fused: one call, all local rows in
-  // STUB: // order (q_rows undefined), segments (early, first half), (late, whole document) per document.
-  // STUB: // Positions are inside the document: the query chunk's, and 0 … len−1 for a key slice.
+  // STUB: // TODO(lesson 08, task 2): the calls: the early and late query chunks of every document, with their K/V slices.
+  // STUB: // README, "Task 2 — `llama3_plan`" and "Two kernels or one fused call".
   // STUB: (void)cu, (void)mode;
   // STUB: throw NotImplemented("lesson 08, task 2: llama3_plan");
   struct Builder {  // accumulates one call's segments
@@ -221,10 +216,8 @@ torch::Tensor gather_kv(Comm& comm, const torch::Tensor& k, const torch::Tensor&
                         Llama3Stats& stats, Trace* trace) {
   TraceSpan span(trace, comm.rank(), "comm", "all-gather K/V");
   // BEGIN SOLUTION task 3: gather K/V in document order
-  // STUB: // TODO(lesson 08, task 3a): stack k and v ([T/N, 2, Hkv, D]) so one all_gather moves both;
-  // STUB: // the result holds rank 0's rows, then rank 1's, … each in zig-zag local order. Put every
-  // STUB: // row at its packed position (`positions`). Count
-  // STUB: // stats.bytes_sent += (N − 1) × the stacked shard's bytes.
+  // STUB: // TODO(lesson 08, task 3a): stack k and v, all_gather them, and put every row at its packed position.
+  // STUB: // README, "Task 3 — the gather (3a) and the forward (3b)", 3a.
   // STUB: (void)comm, (void)k, (void)v, (void)positions, (void)stats;
   // STUB: throw NotImplemented("lesson 08, task 3a: gather_kv");
   const torch::Tensor local = torch::stack({k, v}, 1);  // [T/N, 2, Hkv, D]
@@ -303,10 +296,8 @@ Llama3Result zigzag_llama3_attention_forward(Comm& comm, const torch::Tensor& q,
   const torch::Tensor positions = gathered_positions(cu_seqlens, comm.size(), q.device());
   const torch::Tensor kv = gather_kv(comm, k, v, positions, result.stats, options.trace);  // [T, 2, Hkv, D]
   // BEGIN SOLUTION task 3: the forward
-  // STUB: // TODO(lesson 08, task 3b): out like q, lse float32 [Hq, T/N]. For each call of the plan:
-  // STUB: // its queries (select the q_rows), its K/V slices (select the kv_rows of kv; k = [:, 0],
-  // STUB: // v = [:, 1]), varlen_attention_forward with the call's segments, and the results written
-  // STUB: // back to the call's rows of out and lse. Add each call's pairs to result.stats.pairs.
+  // STUB: // TODO(lesson 08, task 3b): run each call of the plan and write its out and lse back at its query rows.
+  // STUB: // README, "Task 3 — the gather (3a) and the forward (3b)", 3b.
   // STUB: (void)calls, (void)kv, (void)mode;
   // STUB: throw NotImplemented("lesson 08, task 3b: zigzag_llama3_attention_forward");
   result.out = torch::empty_like(q);
@@ -346,13 +337,8 @@ Llama3Grads zigzag_llama3_attention_backward(Comm& comm, const torch::Tensor& do
   const torch::Tensor positions = gathered_positions(cu_seqlens, comm.size(), q.device());
   const torch::Tensor kv = gather_kv(comm, k, v, positions, result.stats, options.trace);  // [T, 2, Hkv, D]
   // BEGIN SOLUTION task 4: the backward
-  // STUB: // TODO(lesson 08, task 4): dq float32 [T/N, Hq, D]; dkv float32 zeros like kv, in document
-  // STUB: // order. For each call: varlen_attention_backward on its rows and slices; dq of its query
-  // STUB: // rows; dK and dV *added* (index_add_) at its kv_rows (all rows when undefined): both groups
-  // STUB: // use the first half of every document, so overwriting would lose one group's share. Then
-  // STUB: // put dkv back in the gathered order (the rows at `positions`) and
-  // STUB: // reduce_scatter it: each rank gets the sum over all ranks of its own rows. Count the
-  // STUB: // reduce-scatter as (N − 1) × this rank's share of bytes, and each call's pairs.
+  // STUB: // TODO(lesson 08, task 4): each call's backward, dK/dV added at its kv_rows, then reduce_scatter to the owners.
+  // STUB: // README, "Task 4 — the backward" and "The backward: gather again, add, reduce-scatter".
   // STUB: (void)calls, (void)kv, (void)dout, (void)out, (void)lse;
   // STUB: throw NotImplemented("lesson 08, task 4: zigzag_llama3_attention_backward");
   const auto f32 = q.options().dtype(torch::kFloat);

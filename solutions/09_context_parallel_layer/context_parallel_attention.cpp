@@ -24,7 +24,7 @@ const std::vector<Strategy>& all_strategies() {
   return strategies;
 }
 
-Layout layout_of(Strategy strategy) { return strategy == Strategy::Ring ? Layout::Contiguous : Layout::ZigZag; }
+TokenLayout layout_of(Strategy strategy) { return strategy == Strategy::Ring ? TokenLayout::Contiguous : TokenLayout::ZigZag; }
 
 namespace {
 
@@ -58,6 +58,13 @@ int64_t ring_pairs(const RingStats& stats, int64_t batch) {
   return pairs * batch;  // StepWork counts per batch element
 }
 
+/// Llama3Options by name: the default scale, this trace.
+Llama3Options llama3_options(Trace* trace) {
+  Llama3Options options;
+  options.trace = trace;
+  return options;
+}
+
 }  // namespace
 
 StrategyForward strategy_forward(Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
@@ -67,10 +74,10 @@ StrategyForward strategy_forward(Comm& comm, const torch::Tensor& q, const torch
   if (is_llama3(strategy)) {
     const torch::Tensor cu = batch_cu_seqlens(batch, seq * comm.size());
     const Llama3Result r = zigzag_llama3_attention_forward(comm, to_packed(q), to_packed(k), to_packed(v), cu,
-                                                           llama3_mode(strategy), {std::nullopt, trace});
+                                                           llama3_mode(strategy), llama3_options(trace));
     return {from_packed(r.out, batch, seq), lse_from_packed(r.lse, batch, seq), {r.stats.pairs, r.stats.bytes_sent}};
   }
-  const RingOptions options{true, std::nullopt, true, trace};
+  const RingOptions options = ring_options(true, trace);
   const RingResult r = strategy == Strategy::Ring ? ring_attention_forward(comm, q, k, v, options)
                                                   : zigzag_ring_attention_forward(comm, q, k, v, options);
   return {r.out, r.lse, {ring_pairs(r.stats, batch), r.stats.bytes_sent}};
@@ -85,11 +92,11 @@ StrategyBackward strategy_backward(Comm& comm, const torch::Tensor& dout, const 
     const torch::Tensor cu = batch_cu_seqlens(batch, seq * comm.size());
     const Llama3Grads g = zigzag_llama3_attention_backward(comm, to_packed(dout), to_packed(q), to_packed(k),
                                                            to_packed(v), to_packed(out), lse_to_packed(lse), cu,
-                                                           llama3_mode(strategy), {std::nullopt, trace});
+                                                           llama3_mode(strategy), llama3_options(trace));
     return {from_packed(g.dq, batch, seq), from_packed(g.dk, batch, seq), from_packed(g.dv, batch, seq),
             {g.stats.pairs, g.stats.bytes_sent}};
   }
-  const RingOptions options{true, std::nullopt, true, trace};
+  const RingOptions options = ring_options(true, trace);
   const RingGrads g = strategy == Strategy::Ring ? ring_attention_backward(comm, dout, q, k, v, out, lse, options)
                                                  : zigzag_ring_attention_backward(comm, dout, q, k, v, out, lse, options);
   return {g.dq, g.dk, g.dv, {ring_pairs(g.stats, batch), g.stats.bytes_sent}};
@@ -109,10 +116,8 @@ class ContextParallelAttentionFunction : public torch::autograd::Function<Contex
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v, Comm* comm, Strategy strategy) {
     // BEGIN SOLUTION task 1: the autograd function
-    // STUB: // TODO(lesson 09, task 1a): run strategy_forward on contiguous q, k, v; keep for the
-    // STUB: // backward what it needs — the inputs, out and lse (ctx->save_for_backward), and the comm
-    // STUB: // and strategy (ctx->saved_data["setup"] = c10::IValue::make_capsule(
-    // STUB: // c10::make_intrusive<AttentionSetup>(comm, strategy))). Return out.
+    // STUB: // TODO(lesson 09, task 1a): run strategy_forward, save what the backward needs (tensors and setup), return out.
+    // STUB: // README, "Task 1 — the autograd function (1a forward, 1b backward)", 1a, and "The capsule".
     // STUB: (void)ctx, (void)q, (void)k, (void)v, (void)comm, (void)strategy;
     // STUB: throw NotImplemented("lesson 09, task 1a: the forward of the autograd function");
     const torch::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
@@ -128,10 +133,8 @@ class ContextParallelAttentionFunction : public torch::autograd::Function<Contex
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
                                                torch::autograd::tensor_list grad_outputs) {
     // BEGIN SOLUTION task 1: the autograd function
-    // STUB: // TODO(lesson 09, task 1b): get the saved tensors and the setup back
-    // STUB: // (ctx->saved_data["setup"].toCapsule(), then c10::static_intrusive_pointer_cast<AttentionSetup>),
-    // STUB: // run strategy_backward with grad_outputs[0] (made contiguous) and return one gradient per
-    // STUB: // input of forward: dq, dk, dv, and undefined tensors for comm and strategy.
+    // STUB: // TODO(lesson 09, task 1b): get the saved tensors and the setup back, run strategy_backward, return 5 gradients.
+    // STUB: // README, "Task 1 — the autograd function (1a forward, 1b backward)", 1b, and "The capsule".
     // STUB: (void)ctx, (void)grad_outputs;
     // STUB: throw NotImplemented("lesson 09, task 1b: the backward of the autograd function");
     const torch::autograd::variable_list saved = ctx->get_saved_variables();
@@ -173,9 +176,8 @@ torch::Tensor ContextParallelAttentionImpl::forward(const torch::Tensor& x) {
   CP_CHECK(x.scalar_type() == w.scalar_type() && x.device() == w.device(), "x: expected the layer's dtype and device (",
            w.dtype(), " on ", w.device(), "), got ", x.dtype(), " on ", x.device(), "; convert x or move the layer with .to()");
   // BEGIN SOLUTION task 2: the layer
-  // STUB: // TODO(lesson 09, task 2): project x to q [B, S/N, Hq·D] and k, v [B, S/N, Hkv·D]; split the
-  // STUB: // heads into [B, H, S/N, D]; context_parallel_attention with options_.strategy; merge the
-  // STUB: // heads back to [B, S/N, Hq·D] and apply o_proj.
+  // STUB: // TODO(lesson 09, task 2): project x, split the heads, context_parallel_attention, merge the heads, o_proj.
+  // STUB: // README, "Task 2 — the layer's forward" and "The layer".
   // STUB: (void)hkv, (void)d;
   // STUB: throw NotImplemented("lesson 09, task 2: ContextParallelAttention::forward");
   const int64_t b = x.size(0), s = x.size(1);
@@ -198,9 +200,8 @@ void all_reduce_gradients(Comm& comm, torch::nn::Module& module) {
   torch::NoGradGuard no_grad;
   for (torch::Tensor& p : module.parameters()) {
     // BEGIN SOLUTION task 3: the gradient all-reduce
-    // STUB: // TODO(lesson 09, task 3): every rank saw other tokens, so each holds only its share of the
-    // STUB: // gradient. Sum p.grad() over the ranks (comm.all_reduce, in place) and divide by N. A
-    // STUB: // parameter with no gradient takes part with zeros, so that every rank makes the same calls.
+    // STUB: // TODO(lesson 09, task 3): average p's gradient over the ranks (a missing gradient takes part as zeros).
+    // STUB: // README, "Task 3 — `all_reduce_gradients`".
     // STUB: (void)p, (void)comm;
     // STUB: throw NotImplemented("lesson 09, task 3: all_reduce_gradients");
     if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);

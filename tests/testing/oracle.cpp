@@ -3,32 +3,12 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <cmath>
+#include <iomanip>
 #include <limits>
 #include <mutex>
 #include <sstream>
 
 namespace cp::testing {
-
-Tolerance tolerance_for(torch::ScalarType dtype) {
-  switch (dtype) {
-    // The kernels accumulate in float32 whatever the input, so float32 and float64 results
-    // carry float32 rounding: unit roundoff 6e-8, grown by sums over up to a few thousand
-    // terms and by exp() of arguments up to ~1e4 in magnitude -> 1e-5 relative.
-    case torch::kDouble:
-    case torch::kFloat: return {1e-6, 1e-5};
-    // The result is computed in float32 and rounded once to the output type: unit roundoff
-    // 4.9e-4 (fp16) and 3.9e-3 (bf16), plus the rounding of the inputs; 4 ulp of margin.
-    case torch::kHalf: return {1e-4, 2e-3};
-    case torch::kBFloat16: return {1e-3, 1.6e-2};
-    default: return {0.0, 0.0};  // integers: exact
-  }
-}
-
-Tolerance gradient_tolerance(torch::ScalarType dtype, const torch::Tensor& expected) {
-  const Tolerance base = tolerance_for(dtype);
-  const double scale = expected.numel() ? expected.abs().max().item<double>() : 0.0;
-  return {std::max(base.abs, base.rel * scale), base.rel};
-}
 
 namespace {
 std::mutex checks_mutex;
@@ -50,6 +30,67 @@ std::string index_of(int64_t flat, torch::IntArrayRef sizes, const std::vector<s
   out << "]";
   return out.str();
 }
+
+/// A number as a learner reads it: 6 significant digits ("1e-06", not 9.9999999999999995e-07;
+/// `digits` more where two close values must differ visibly), NaN as NaN.
+std::string num(double v, int digits = 6) {
+  if (std::isnan(v)) return "NaN";
+  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
+  std::ostringstream out;
+  out << std::setprecision(digits) << v;
+  return out.str();
+}
+
+/// The input row that produced element `flat` of a row-wise result: `inputs` is [..., n] and
+/// the result is [..., n] (one output per input, e.g. softmax) or [...] (one per row, e.g. lse).
+/// Shows the row's length, its first values and its maximum.
+std::string describe_row(const torch::Tensor& result, int64_t flat, const torch::Tensor& inputs,
+                         const std::vector<std::string>& dims) {
+  const int64_t n = inputs.size(-1);
+  const bool per_element = result.dim() == inputs.dim();
+  const int64_t row = per_element ? flat / std::max<int64_t>(n, 1) : flat;
+  if (n == 0) return "its input row is empty (n = 0)";
+  if (row >= inputs.numel() / n) return "";  // `inputs` does not fit the result: nothing to show
+  const torch::Tensor x = inputs.detach().to(torch::kCPU, torch::kDouble).contiguous().view({-1, n})[row];
+  const double* v = x.data_ptr<double>();
+  const torch::IntArrayRef row_sizes = inputs.sizes().slice(0, inputs.dim() - 1);
+  const bool named = dims.size() == static_cast<size_t>(result.dim());
+  const std::vector<std::string> row_dims =
+      named && per_element ? std::vector<std::string>(dims.begin(), dims.end() - 1) : dims;
+  std::ostringstream out;
+  out << "its input row " << (row_sizes.empty() ? "" : index_of(row, row_sizes, row_dims)) << " (n = " << n << "): ";
+  const int64_t shown = std::min<int64_t>(n, 6);
+  for (int64_t j = 0; j < shown; ++j) out << (j ? ", " : "") << num(v[j], 4);
+  if (n > shown) out << ", ...";
+  if (n > 0) {
+    int64_t arg = 0;  // the maximum, NaN first: what the row's state is relative to
+    for (int64_t j = 1; j < n; ++j)
+      if (!std::isnan(v[arg]) && (std::isnan(v[j]) || v[j] > v[arg])) arg = j;
+    out << "; max " << num(v[arg], 4) << " at " << arg;
+  }
+  return out.str();
+}
+
+/// When every (finite, wrong) element of the first wrong element's row is the same multiple of
+/// the expected value, the row's values are right up to one factor: a per-row normaliser is off.
+std::string constant_factor_hint(const double* a, const double* e, int64_t flat, torch::IntArrayRef sizes) {
+  if (sizes.size() < 2 || sizes.back() < 2) return "";  // rows of at least two values
+  const int64_t n = sizes.back(), begin = flat / n * n;
+  double lo = INFINITY, hi = -INFINITY;
+  int64_t used = 0;
+  for (int64_t j = begin; j < begin + n; ++j) {
+    if (!std::isfinite(a[j]) || !std::isfinite(e[j])) return "";
+    if (std::abs(e[j]) < 1e-30) continue;
+    lo = std::min(lo, a[j] / e[j]), hi = std::max(hi, a[j] / e[j]);
+    ++used;
+  }
+  if (used < 2 || hi - lo > 1e-3 * std::abs(hi) || std::abs(hi - 1) < 1e-3) return "";
+  std::ostringstream out;
+  out << "every value of this row is " << num(hi, 4) << " × the expected one: right up to one factor per row, "
+      << "so the row's normaliser is " << (hi < 1 ? "too large" : "too small")
+      << " (in a softmax: l; is l rescaled when the maximum changes?)";
+  return out.str();
+}
 }  // namespace
 
 namespace detail {
@@ -61,7 +102,7 @@ std::vector<CheckRecord> take_checks() {
 
 ::testing::AssertionResult all_close(const torch::Tensor& actual_in, const torch::Tensor& expected_in,
                                      const std::string& what, const std::vector<std::string>& dims,
-                                     std::optional<Tolerance> tolerance) {
+                                     std::optional<Tolerance> tolerance, const torch::Tensor& inputs) {
   if (!actual_in.defined()) return ::testing::AssertionFailure() << what << ": result is undefined";
   if (actual_in.sizes() != expected_in.sizes())
     return ::testing::AssertionFailure() << what << ": shape " << actual_in.sizes() << ", expected "
@@ -72,49 +113,99 @@ std::vector<CheckRecord> take_checks() {
   const double* a = actual.data_ptr<double>();
   const double* e = expected.data_ptr<double>();
 
-  double max_abs = 0, max_rel = 0;
-  int64_t wrong = 0;
-  std::ostringstream mismatches;
+  double max_abs = 0, max_rel = 0;  // over the finite pairs (inf as soon as a NaN or inf is wrong)
+  double finite_abs = 0, finite_rel = 0;
+  int64_t wrong = 0, finite_wrong = 0, got_nan = 0, expected_nan = 0, inf_wrong = 0, got_inf = 0, first = -1;
+  std::vector<int64_t> others;  // a few more wrong elements after the first
   for (int64_t i = 0; i < actual.numel(); ++i) {
     bool ok;
     if (std::isnan(a[i]) || std::isnan(e[i])) {
       ok = false;
       max_abs = max_rel = std::numeric_limits<double>::infinity();
+      got_nan += std::isnan(a[i]) && !std::isnan(e[i]);
+      expected_nan += std::isnan(e[i]) && !std::isnan(a[i]);
     } else if (std::isinf(a[i]) || std::isinf(e[i])) {
       ok = a[i] == e[i];
       if (!ok) max_abs = max_rel = std::numeric_limits<double>::infinity();
+      inf_wrong += !ok;
+      got_inf += !ok && std::isinf(a[i]) && std::isfinite(e[i]);
     } else {
       const double err = std::abs(a[i] - e[i]);
       ok = err <= tol.abs + tol.rel * std::abs(e[i]);
-      max_abs = std::max(max_abs, err);
-      if (std::abs(e[i]) > tol.abs) max_rel = std::max(max_rel, err / std::abs(e[i]));
+      finite_wrong += !ok;
+      max_abs = std::max(max_abs, err), finite_abs = std::max(finite_abs, err);
+      if (std::abs(e[i]) > tol.abs) {
+        max_rel = std::max(max_rel, err / std::abs(e[i]));
+        finite_rel = std::max(finite_rel, err / std::abs(e[i]));
+      }
     }
-    if (!ok && wrong++ < 5)
-      mismatches << "\n    " << index_of(i, actual.sizes(), dims) << " got " << a[i] << ", expected " << e[i];
+    if (ok) continue;
+    if (wrong++ == 0)
+      first = i;
+    else if (others.size() < 2)
+      others.push_back(i);
   }
   {
     std::lock_guard<std::mutex> lock(checks_mutex);
     checks.push_back({what, max_abs, max_rel, wrong, tol});
   }
   if (wrong == 0) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure()
-         << what << " " << actual_in.scalar_type() << " " << actual_in.sizes() << ": " << wrong << " of "
-         << actual.numel() << " elements wrong (tolerance " << tol.abs << " + " << tol.rel
-         << "·|expected|); max abs error " << max_abs << ", max rel error " << max_rel
-         << "; first mismatches:" << mismatches.str();
+
+  // One summary, built in a plain stream: gtest's Message would print 17 digits.
+  std::ostringstream out;
+  auto at = [&](int64_t i) { return index_of(i, actual.sizes(), dims); };
+  out << what << ": " << wrong << " of " << actual.numel() << " elements wrong (" << actual_in.scalar_type() << " "
+      << actual_in.sizes() << ", against the float64 reference)";
+  out << "\n  first wrong " << at(first) << ": got " << num(a[first], 8) << ", expected " << num(e[first], 8);
+  if (std::isfinite(a[first]) && std::isfinite(e[first]))
+    out << " (error " << num(std::abs(a[first] - e[first]), 3) << ", allowed "
+        << num(tol.abs + tol.rel * std::abs(e[first]), 3) << ")";
+  if (inputs.defined()) out << "\n  " << describe_row(actual, first, inputs, dims);
+  if (!others.empty()) {
+    out << "\n  also";
+    for (int64_t i : others) out << " " << at(i) << ": got " << num(a[i], 8) << ", expected " << num(e[i], 8) << ";";
+    if (wrong > 1 + static_cast<int64_t>(others.size())) out << " ...";
+  }
+  out << "\n  tolerance: |got - expected| <= " << num(tol.abs, 3) << " + " << num(tol.rel, 3) << " × |expected|";
+  std::vector<std::string> kinds;  // what went wrong, by kind
+  if (finite_wrong)
+    kinds.push_back(std::to_string(finite_wrong) + (finite_wrong == 1 ? " number" : " numbers") +
+                    " off (largest error " + num(finite_abs, 3) + " abs, " +
+                    num(finite_rel, 3) + " rel)");
+  if (got_nan) kinds.push_back("NaN in " + std::to_string(got_nan) + " where the reference is a number");
+  if (expected_nan) kinds.push_back("a number in " + std::to_string(expected_nan) + " where the reference is NaN");
+  if (inf_wrong) kinds.push_back(std::to_string(inf_wrong) + " with an infinity on one side only, or of the other sign");
+  if (!kinds.empty()) {
+    out << "\n  wrong:";
+    for (size_t k = 0; k < kinds.size(); ++k) out << (k ? "; " : " ") << kinds[k];
+  }
+
+  // Hints, only for patterns with one likely cause.
+  if (got_nan)
+    out << "\n  hint: NaN where the reference is a number: some step computed 0·inf, inf - inf or 0/0 (e.g. "
+           "exp(-inf - (-inf)), or a rescale of the empty state {m = -inf, l = 0} by exp(x - m) = inf)";
+  else if (expected_nan)
+    out << "\n  hint: the reference is NaN where the input holds a NaN or +inf: it must reach the output, not be "
+           "dropped (lesson 01, \"NaN and inf are never hidden\")";
+  else if (got_inf)
+    out << "\n  hint: inf where the reference is finite: an overflow, e.g. exp() of a value not shifted by the "
+           "maximum";
+  else if (const std::string hint = constant_factor_hint(a, e, first, actual.sizes()); !hint.empty())
+    out << "\n  hint: " << hint;
+  return ::testing::AssertionFailure() << out.str();
 }
 
 ::testing::AssertionResult all_close_or_nan(const torch::Tensor& actual_in, const torch::Tensor& expected_in,
                                             const std::string& what, const std::vector<std::string>& dims,
-                                            std::optional<Tolerance> tolerance) {
+                                            std::optional<Tolerance> tolerance, const torch::Tensor& inputs) {
   if (!actual_in.defined() || actual_in.sizes() != expected_in.sizes())
-    return all_close(actual_in, expected_in, what, dims, tolerance);  // reports the problem
+    return all_close(actual_in, expected_in, what, dims, tolerance, inputs);  // reports the problem
   const torch::Tensor actual = actual_in.detach().cpu(), expected = expected_in.detach().cpu();
   // NaN where both have it becomes 0 in both; a NaN in one of them only is left for all_close
   // to report as a mismatch.
   const torch::Tensor both = actual.isnan() & expected.isnan();
   return all_close(actual.masked_fill(both, 0), expected.masked_fill(both, 0), what, dims,
-                   tolerance.value_or(tolerance_for(actual_in.scalar_type())));
+                   tolerance.value_or(tolerance_for(actual_in.scalar_type())), inputs);
 }
 
 torch::Tensor oracle_softmax(const torch::Tensor& x) {

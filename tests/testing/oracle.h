@@ -8,38 +8,35 @@
 #include <string>
 #include <vector>
 
+#include "common/tolerance.h"
+
 namespace cp::testing {
 
-/// An element is right when |actual - expected| <= abs + rel * |expected|.
-struct Tolerance {
-  double abs;
-  double rel;
-};
-
-/// The one tolerance table of the course, by the dtype of the result under test (see oracle.cpp
-/// for why each value is what it is).
-Tolerance tolerance_for(torch::ScalarType dtype);
-
-/// The tolerance for a gradient: the dtype's, with the absolute part scaled by the largest
-/// |element| of `expected`. A gradient element is a sum of terms of both signs (dS = P∘(dP − D)
-/// sums to zero over each row), so its rounding error follows the size of the terms, not of
-/// the element: a near-zero element of dK carries the absolute error of its large neighbours.
-Tolerance gradient_tolerance(torch::ScalarType dtype, const torch::Tensor& expected);
+// The tolerance table lives in common/ (the demos mark their errors with it too).
+using cp::gradient_tolerance;
+using cp::Tolerance;
+using cp::tolerance_for;
 
 /// Compares `actual` (any dtype/device) with `expected` (the float64 oracle) elementwise.
-/// -inf matches -inf; NaN never matches. On failure the message gives the number of wrong
-/// elements, the max abs/rel errors and the first mismatches with their indices, named by
-/// `dims` (e.g. {"b", "h", "s", "d"}) when given. Every call is recorded for make compare.
+/// -inf matches -inf; NaN never matches. On failure the message is one summary: the number of
+/// wrong elements, the first one (index named by `dims`, e.g. {"b", "h", "s", "d"}, when given)
+/// with got, expected and its error against the allowed one, a few more, the tolerance, the
+/// largest errors, the NaN and inf mismatches, and a hint where the pattern has one likely cause.
+/// `inputs`, for a row-wise result (softmax, logsumexp: `actual` is [..., n] or [...] for
+/// `inputs` [..., n]): the message also shows the input row of the first wrong element. Every
+/// call is recorded for make compare.
 ::testing::AssertionResult all_close(const torch::Tensor& actual, const torch::Tensor& expected,
                                      const std::string& what, const std::vector<std::string>& dims = {},
-                                     std::optional<Tolerance> tolerance = std::nullopt);
+                                     std::optional<Tolerance> tolerance = std::nullopt,
+                                     const torch::Tensor& inputs = {});
 
 /// all_close where NaN matches NaN: the NaN positions of `actual` and `expected` must be the same,
 /// every other element must be within the tolerance (by default the dtype of `actual`'s). For
 /// the tests of non-finite inputs, where the oracle's NaN is the right answer.
 ::testing::AssertionResult all_close_or_nan(const torch::Tensor& actual, const torch::Tensor& expected,
                                             const std::string& what, const std::vector<std::string>& dims = {},
-                                            std::optional<Tolerance> tolerance = std::nullopt);
+                                            std::optional<Tolerance> tolerance = std::nullopt,
+                                            const torch::Tensor& inputs = {});
 
 /// Softmax over the last dim in float64; a row of -inf only gives zeros (the course's
 /// definition: such a row attends to nothing), where torch::softmax gives NaN.
@@ -95,6 +92,21 @@ std::vector<CheckRecord> take_checks();
 
 }  // namespace cp::testing
 
+/// EXPECT / ASSERT that a check (an AssertionResult: all_close, all_close_or_nan, a test's own
+/// helper) passed. A failure prints the check's message only: EXPECT_TRUE would add the whole
+/// expression and "Actual: false ... Expected: true" around it. ASSERT stops the test at the
+/// first failing case: in a loop over cases the next ones mostly repeat the same message.
+#define CP_EXPECT_RESULT(result)                                \
+  do {                                                          \
+    const ::testing::AssertionResult cp_result = (result);      \
+    if (!cp_result) ADD_FAILURE() << cp_result.message();       \
+  } while (0)
+#define CP_ASSERT_RESULT(result)                                \
+  do {                                                          \
+    const ::testing::AssertionResult cp_result = (result);      \
+    if (!cp_result) GTEST_FAIL() << cp_result.message();        \
+  } while (0)
+
 /// EXPECT that `actual` matches the float64 oracle `expected` (see all_close).
 #define CP_EXPECT_CLOSE(actual, expected, ...) \
-  EXPECT_TRUE(::cp::testing::all_close((actual), (expected), __VA_ARGS__))
+  CP_EXPECT_RESULT(::cp::testing::all_close((actual), (expected), __VA_ARGS__))

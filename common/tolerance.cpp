@@ -1,0 +1,28 @@
+#include "common/tolerance.h"
+
+#include <algorithm>
+
+namespace cp {
+
+Tolerance tolerance_for(torch::ScalarType dtype) {
+  switch (dtype) {
+    // The kernels accumulate in float32 whatever the input, so float32 and float64 results
+    // carry float32 rounding: unit roundoff 6e-8, grown by sums over up to a few thousand
+    // terms and by exp() of arguments up to ~1e4 in magnitude -> 1e-5 relative.
+    case torch::kDouble:
+    case torch::kFloat: return {1e-6, 1e-5};
+    // The result is computed in float32 and rounded once to the output type: unit roundoff
+    // 4.9e-4 (fp16) and 3.9e-3 (bf16), plus the rounding of the inputs; 4 ulp of margin.
+    case torch::kHalf: return {1e-4, 2e-3};
+    case torch::kBFloat16: return {1e-3, 1.6e-2};
+    default: return {0.0, 0.0};  // integers: exact
+  }
+}
+
+Tolerance gradient_tolerance(torch::ScalarType dtype, const torch::Tensor& expected) {
+  const Tolerance base = tolerance_for(dtype);
+  const double scale = expected.numel() ? expected.abs().max().item<double>() : 0.0;
+  return {std::max(base.abs, base.rel * scale), base.rel};
+}
+
+}  // namespace cp

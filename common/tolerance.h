@@ -1,0 +1,25 @@
+// The one tolerance table of the course: what "equal to the float64 reference" means for each
+// dtype. The tests check with it (tests/testing/oracle.h) and the demos mark their errors ok or
+// FAIL with it, so a figure a demo calls ok is one a test would pass.
+#pragma once
+
+#include <torch/types.h>
+
+namespace cp {
+
+/// An element is right when |actual - expected| <= abs + rel * |expected|.
+struct Tolerance {
+  double abs;
+  double rel;
+};
+
+/// The tolerance for a result of dtype `dtype` (see tolerance.cpp for why each value is what it is).
+Tolerance tolerance_for(torch::ScalarType dtype);
+
+/// The tolerance for a gradient: the dtype's, with the absolute part scaled by the largest
+/// |element| of `expected`. A gradient element is a sum of terms of both signs (dS = P∘(dP − D)
+/// sums to zero over each row), so its rounding error follows the size of the terms, not of
+/// the element: a near-zero element of dK carries the absolute error of its large neighbours.
+Tolerance gradient_tolerance(torch::ScalarType dtype, const torch::Tensor& expected);
+
+}  // namespace cp

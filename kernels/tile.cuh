@@ -1,0 +1,52 @@
+// Shared-memory tiles of the attention kernels (lessons 03 and 05).
+//
+// A block owns some rows (queries or keys) and streams tiles of the other side's rows through
+// shared memory. Each owned row is split over a row group of D / kSlice adjacent threads, one
+// slice of kSlice dims per thread. In shared memory every slice is followed by one float of
+// padding: the threads of a group read the same dim of different slices, and the padding puts
+// those reads on different banks instead of one.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/dtype.cuh"
+#include "kernels/warp.cuh"
+
+namespace cp::kernels {
+
+/// Where element (row, dim) of a tile of D-dim float rows lives in shared memory.
+template <int D, int kSlice>
+struct PaddedTile {
+  static_assert(D % kSlice == 0, "the head dim must be a multiple of the slice");
+  static constexpr int kGroup = D / kSlice;              ///< threads per row (a row group)
+  static constexpr int kStride = kGroup * (kSlice + 1);  ///< floats per tile row, padding included
+
+  static __device__ __forceinline__ int at(int row, int dim) {
+    return row * kStride + (dim / kSlice) * (kSlice + 1) + dim % kSlice;
+  }
+
+  /// Loads rows [row0, row0 + n) of a [rows, D] matrix `src` into tile rows 0 .. kRows − 1, as
+  /// float; rows past n become zeros (a partial last tile). Every thread of the block takes part,
+  /// consecutive threads reading consecutive dims (coalesced). The caller's __syncthreads()
+  /// makes the tile visible.
+  template <int kRows, typename T>
+  static __device__ void load(float* tile, const T* src, int64_t row0, int n) {
+    for (int idx = threadIdx.x; idx < kRows * D; idx += blockDim.x) {
+      const int r = idx / D, d = idx % D;
+      tile[at(r, d)] = r < n ? to_float(src[(row0 + r) * D + d]) : 0.0f;
+    }
+  }
+};
+
+/// The sum of x over the kGroup adjacent threads of a row group, in every one of them: a
+/// butterfly of xor shuffles (kGroup a power of two, at most a warp). Every lane of the warp must
+/// call it (rule 1 of kernels/README.md).
+template <int kGroup>
+__device__ __forceinline__ float group_sum(float x) {
+  static_assert(kGroup >= 1 && kGroup <= kWarpSize && (kGroup & (kGroup - 1)) == 0, "kGroup: a power of two <= 32");
+#pragma unroll
+  for (int offset = kGroup / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(kFullWarp, x, offset);
+  return x;
+}
+
+}  // namespace cp::kernels
