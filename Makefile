@@ -47,7 +47,7 @@ build: $(BUILD)/build.ninja
 
 test: setup build
 	rm -f $(BUILD)/kernel-results/*.jsonl
-	cd $(BUILD) && ctest -L solution --output-on-failure
+	cd $(BUILD) && ctest -L solution --output-on-failure -j $(JOBS)
 	tools/kernel-report
 	tools/skeleton --check --lenient
 	cmake --build $(BUILD) --target docs
@@ -101,6 +101,7 @@ bench: $(BUILD)/build.ninja
 	cmake --build $(BUILD) -j $(JOBS) --target benches
 	$(BUILD)/bin/softmax_bench
 	$(BUILD)/bin/exchange_bench --world 4
+	$(BUILD)/bin/attention_bench
 
 skeletons:
 	tools/skeleton --write $(N)

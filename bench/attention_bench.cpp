@@ -32,9 +32,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-/// Median times in ms of `a` and `b` over `repeats` runs each, after a warm-up run of each if asked. The
-/// runs alternate (a, b, a, b, …) so that a change in the machine's load reaches both. `prepare_b`
-/// runs untimed before each run of b (LibTorch's forward, before its autograd backward).
+/// Median times in ms of `a` and `b` over `repeats` runs each, after a warm-up run of each if
+/// asked. The runs alternate (a, b, a, b, …) so that a change in the machine's load reaches both.
+/// `prepare_b` runs untimed before each run of b (LibTorch's forward, before its backward).
 std::pair<double, double> median_ms(int repeats, bool warm_up, const std::function<void()>& a,
                                     const std::function<void()>& b, const std::function<void()>& prepare_b = {}) {
   auto time = [](const std::function<void()>& fn) {
@@ -68,7 +68,7 @@ std::vector<int64_t> parse_list(const std::string& text) {
   std::vector<int64_t> values;
   std::stringstream in(text);
   for (std::string item; std::getline(in, item, ',');) {
-    CP_CHECK(!item.empty() && item.find_first_not_of("0123456789") == std::string::npos,
+    CP_CHECK(!item.empty() && item.find_first_not_of("0123456789") == std::string::npos && std::stoll(item) > 0,
              "--seq: expected comma-separated positive integers, got '", text, "'");
     values.push_back(std::stoll(item));
   }
@@ -114,7 +114,8 @@ int main(int argc, char** argv) {
                 "causal, backward 2.5x forward\n",
                 (long long)d);
     std::printf("# median of %d alternating runs (after a warm-up run below S = 4096); ratio = torch_ms / cp_ms "
-                "(> 1: the course is faster); max_err: largest |cp - torch| of out (forward) or dq, dk, dv (backward)\n",
+                "(> 1: the course is faster)\n# max_err: largest |cp - torch| of out (forward) or dq, dk, dv "
+                "(backward)\n",
                 repeats);
     std::printf("# %-8s %-6s %6s %3s %10s %10s %10s %10s %7s %9s\n", "pass", "mask", "S", "H", "cp_ms", "cp_GFLOP/s",
                 "torch_ms", "torch_GF/s", "ratio", "max_err");
@@ -123,8 +124,8 @@ int main(int argc, char** argv) {
       const int64_t h = std::clamp<int64_t>(8 * (2048 * 2048) / (s * s), 1, 8);
       const bool warm_up = s < 4096;  // beyond, one run takes seconds and warms up nothing
       torch::manual_seed(1);
-      const torch::Tensor q = torch::randn({1, h, s, d}), k = torch::randn({1, h, s, d}), v = torch::randn({1, h, s, d});
-      const torch::Tensor dout = torch::randn({1, h, s, d});
+      const torch::Tensor q = torch::randn({1, h, s, d}), k = torch::randn({1, h, s, d});
+      const torch::Tensor v = torch::randn({1, h, s, d}), dout = torch::randn({1, h, s, d});
       const double scale = 1.0 / std::sqrt(static_cast<double>(d));
       for (const bool causal : {false, true}) {
         const double fwd_flop = 4.0 * h * s * s * d * (causal ? 0.5 : 1.0);
@@ -137,7 +138,9 @@ int main(int argc, char** argv) {
                       flop / (torch_ms * 1e6), torch_ms / cp_ms, err);
           std::fflush(stdout);
         };
-        auto max_err = [](const torch::Tensor& a, const torch::Tensor& b) { return (a - b).abs().max().item<double>(); };
+        auto max_err = [](const torch::Tensor& a, const torch::Tensor& b) {
+          return (a - b).abs().max().item<double>();
+        };
 
         cp::AttnResult fwd;
         torch::Tensor out;

@@ -61,7 +61,10 @@ function(course_register_tests exe name)
     foreach(np IN LISTS ARG_MPI_RANKS)
       add_test(NAME ${name}_mpi${np}
         COMMAND ${MPIEXEC_EXECUTABLE} ${MPIEXEC_NUMPROC_FLAG} ${np} ${MPIEXEC_PREFLAGS} $<TARGET_FILE:${exe}> ${cpu_filter})
-      set_tests_properties(${name}_mpi${np} PROPERTIES LABELS "${ARG_LABELS};mpi;cpu" TIMEOUT ${CP_TEST_TIMEOUT} ENVIRONMENT "${env}")
+      # One mpirun job at a time (ctest -j runs the rest beside it): the ranks of two jobs would
+      # share the cores with each other's busy-polling as well.
+      set_tests_properties(${name}_mpi${np} PROPERTIES LABELS "${ARG_LABELS};mpi;cpu" TIMEOUT ${CP_TEST_TIMEOUT} ENVIRONMENT "${env}"
+                           RESOURCE_LOCK mpirun)
     endforeach()
   endif()
 endfunction()

@@ -37,12 +37,12 @@ namespace {
 typedef float f32x4 __attribute__((vector_size(16)));
 typedef uint32_t u32x4 __attribute__((vector_size(16)));
 
-constexpr int64_t kLanes = 4;                  // floats per f32x4
-constexpr int64_t kBc = 32;                    // keys per tile, as in the kernel
-constexpr int64_t kBr = 32;                    // query rows per tile
-constexpr int64_t kKeyVecs = kBc / kLanes;     // a row's scores of one tile: 8 vectors
-constexpr int64_t kDimVecs = 8;                // O += P V runs over the head dim 8 vectors (32 dims) at a time
-constexpr int64_t kDimAlign = kDimVecs * kLanes;  // packed rows are padded with zeros to a multiple of 32 dims
+constexpr int64_t kLanes = 4;                     // floats per f32x4
+constexpr int64_t kBc = 32;                       // keys per tile, as in the kernel
+constexpr int64_t kBr = 32;                       // query rows per tile
+constexpr int64_t kKeyVecs = kBc / kLanes;        // a row's scores of one tile: 8 vectors
+constexpr int64_t kDimVecs = 8;                   // O += P V: 8 vectors (32 dims) of O at a time
+constexpr int64_t kDimAlign = kDimVecs * kLanes;  // packed rows: zeros up to a multiple of 32 dims
 
 inline f32x4 load4(const float* p) {
   f32x4 v;
@@ -70,10 +70,10 @@ inline float max_lane(f32x4 v) {
   return m;
 }
 
-/// e^x lane by lane for x <= 0 (about 1 ulp): e^-inf = 0 (so is anything below -87), e^0 = 1,
-/// NaN stays NaN. Cephes' expf without a branch or a library call, so it stays in the vector
-/// registers (std::exp is one scalar call per element). A float-to-int conversion is avoided: the
-/// integer n = round(x log2 e) is read from the low bits of x log2 e + 1.5·2^23.
+/// e^x lane by lane for the online update's x <= 0 (about 1 ulp): e^-inf = 0 (so is anything
+/// below -87), e^0 = 1, NaN stays NaN (above 88: +inf). Cephes' expf without a branch or a library
+/// call, so it stays in the vector registers (std::exp is one scalar call per element). No
+/// float-to-int conversion: n = round(x log2 e) is read from the low bits of x log2 e + 1.5·2^23.
 inline f32x4 exp_nonpos(f32x4 x) {
   const f32x4 magic = f32x4{} + 12582912.0f;  // 1.5 · 2^23
   const f32x4 t = x * 1.44269504088896341f + magic;
@@ -86,19 +86,19 @@ inline f32x4 exp_nonpos(f32x4 x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;  // e^r
-  const u32x4 two_n = ((bits<u32x4>(t) - 0x4B400000u) + 127u) << 23;  // 2^n, built in the exponent field
+  const u32x4 two_n = ((bits<u32x4>(t) - 0x4B400000u) + 127u) << 23;  // 2^n, in the exponent field
   const u32x4 keep = bits<u32x4>(!(x < -87.0f));                         // all ones unless x < -87 (NaN: kept)
-  const u32x4 big = bits<u32x4>(x > 88.0f);                              // past float's range: +inf
+  const u32x4 big = bits<u32x4>(x > 88.0f);                              // beyond float's range: +inf
   return bits<f32x4>((bits<u32x4>(p * bits<f32x4>(two_n)) & keep & ~big) | (big & 0x7F800000u));
 }
 
 /// One (batch, kv head)'s keys and values, float32, in tiles of kBc keys (the last one padded
-/// with zero keys): kt holds each tile transposed, [dim][key] as kKeyVecs vectors per dim, so
-/// that a row's kBc scores are kKeyVecs vector products; v holds rows of dp floats. The smallest
-/// and largest key position of each tile decide the causal skip.
+/// with zero keys): kt holds each tile transposed, [dim][key], so that dim d of the tile's keys is
+/// kBc consecutive floats (kKeyVecs vectors); v holds rows of dp floats. The smallest and largest
+/// key position of each tile decide the causal skip.
 struct KeyTiles {
   int64_t dp = 0, tiles = 0;  // dp: the head dim padded to a multiple of kDimAlign
-  std::vector<f32x4> kt;      // [tiles][dp][kKeyVecs]
+  std::vector<float> kt;      // [tiles][dp][kBc]
   std::vector<float> v;       // [tiles · kBc][dp]
   std::vector<int64_t> min_pos, max_pos;
 };
@@ -107,13 +107,13 @@ template <typename T>
 void pack_keys(const T* k, const T* v, const int64_t* k_pos, int64_t seq_k, int64_t d_model, KeyTiles& kv) {
   kv.dp = (d_model + kDimAlign - 1) / kDimAlign * kDimAlign;
   kv.tiles = (seq_k + kBc - 1) / kBc;
-  kv.kt.assign(kv.tiles * kv.dp * kKeyVecs, f32x4{});
+  kv.kt.assign(kv.tiles * kv.dp * kBc, 0.0f);
   kv.v.assign(kv.tiles * kBc * kv.dp, 0.0f);
   kv.min_pos.assign(kv.tiles, std::numeric_limits<int64_t>::max());
   kv.max_pos.assign(kv.tiles, std::numeric_limits<int64_t>::min());
   for (int64_t j = 0; j < seq_k; ++j) {
     const int64_t t = j / kBc, jj = j % kBc;
-    float* kt = reinterpret_cast<float*>(kv.kt.data() + t * kv.dp * kKeyVecs);
+    float* kt = kv.kt.data() + t * kv.dp * kBc;
     for (int64_t d = 0; d < d_model; ++d) {
       kt[d * kBc + jj] = static_cast<float>(k[j * d_model + d]);
       kv.v[j * kv.dp + d] = static_cast<float>(v[j * d_model + d]);
@@ -129,11 +129,11 @@ struct RowState {
   std::vector<float> o;
 };
 
-/// Task 2: rows query rows (q: [rows][dp] float32, positions q_pos) against one key tile of n
-/// keys (kt: [dp][kKeyVecs] vectors, v: [kBc][dp], positions k_pos). masked: some pair may be
-/// hidden (a causal tile that is not entirely in the past of every row), else every pair of the
-/// first n keys is visible. Updates m, l and O of every row in `state`.
-void attend_tile(const float* q, int64_t rows, const f32x4* kt, const float* v, int64_t n, const int64_t* q_pos,
+/// Task 2: `rows` query rows (q: [rows][dp] float32, positions q_pos) against one key tile of n
+/// keys (kt: [dp][kBc], the tile transposed; v: [kBc][dp]; positions k_pos). masked: some pair may
+/// be hidden (a causal tile not entirely in the past of every row), else every pair of the first n
+/// keys is visible. Updates m, l and O of every row in `state`.
+void attend_tile(const float* q, int64_t rows, const float* kt, const float* v, int64_t n, const int64_t* q_pos,
                  const int64_t* k_pos, bool masked, float scale, int64_t dp, RowState& state) {
   // BEGIN YOUR CODE task 2: one query tile against one key tile
   // TODO(lesson 03, task 2): the scores of each row against the tile's keys, then its (m, l, O) update.
@@ -148,7 +148,7 @@ void attend_tile(const float* q, int64_t rows, const f32x4* kt, const float* v, 
 template <typename T>
 void finish_rows(const RowState& state, int64_t rows, int64_t d_model, int64_t dp, T* out, float* lse) {
   // BEGIN YOUR CODE task 2: out and lse of the tile's rows
-  // TODO(lesson 03, task 2): out = O / l and lse = m + log l of each row (0 and -inf for a row with no visible key).
+  // TODO(lesson 03, task 2): out = O / l and lse = m + log l of each row (0 and -inf: no visible key).
   (void)state, (void)rows, (void)d_model, (void)dp, (void)out, (void)lse;
   throw NotImplemented("lesson 03, task 2: finish_rows");
   // END YOUR CODE
@@ -183,7 +183,8 @@ AttnResult forward_cpu(const torch::Tensor& q, const torch::Tensor& k, const tor
           const scalar_t* q_rows = pq + (bh * s.seq_q + i0) * s.head_dim;
           int64_t q_min = std::numeric_limits<int64_t>::max(), q_max = std::numeric_limits<int64_t>::min();
           for (int64_t i = 0; i < rows; ++i) {
-            for (int64_t d = 0; d < s.head_dim; ++d) q_tile[i * kv.dp + d] = static_cast<float>(q_rows[i * s.head_dim + d]);
+            for (int64_t d = 0; d < s.head_dim; ++d)
+              q_tile[i * kv.dp + d] = static_cast<float>(q_rows[i * s.head_dim + d]);
             q_min = std::min(q_min, qp[i0 + i]);
             q_max = std::max(q_max, qp[i0 + i]);
             state.m[i] = -INFINITY;
@@ -193,10 +194,11 @@ AttnResult forward_cpu(const torch::Tensor& q, const torch::Tensor& k, const tor
           for (int64_t t = 0; t < kv.tiles; ++t) {
             if (causal && kv.min_pos[t] > q_max) continue;  // every key of the tile after every row: skip it
             const bool masked = causal && kv.max_pos[t] > q_min;  // else every key is before every row
-            attend_tile(q_tile.data(), rows, kv.kt.data() + t * kv.dp * kKeyVecs, kv.v.data() + t * kBc * kv.dp,
+            attend_tile(q_tile.data(), rows, kv.kt.data() + t * kv.dp * kBc, kv.v.data() + t * kBc * kv.dp,
                         std::min(kBc, s.seq_k - t * kBc), qp + i0, kp + t * kBc, masked, scale, kv.dp, state);
           }
-          finish_rows(state, rows, s.head_dim, kv.dp, pout + (bh * s.seq_q + i0) * s.head_dim, plse + bh * s.seq_q + i0);
+          finish_rows(state, rows, s.head_dim, kv.dp, pout + (bh * s.seq_q + i0) * s.head_dim,
+                      plse + bh * s.seq_q + i0);
         }
       }
     }

@@ -87,35 +87,35 @@ inline f32x4 exp_nonpos(f32x4 x) {
 }
 
 /// Rows of a float tensor as float32 rows of dp floats (zeros past the head dim and past the
-/// last row, up to a multiple of kBr rows).
+/// last row, up to a multiple of `tile` rows).
 template <typename T>
-void pack_rows(const T* x, int64_t seq, int64_t d_model, int64_t dp, std::vector<float>& rows) {
-  rows.assign((seq + kBr - 1) / kBr * kBr * dp, 0.0f);
+void pack_rows(const T* x, int64_t seq, int64_t d_model, int64_t dp, int64_t tile, std::vector<float>& rows) {
+  rows.assign((seq + tile - 1) / tile * tile * dp, 0.0f);
   for (int64_t i = 0; i < seq; ++i)
     for (int64_t d = 0; d < d_model; ++d) rows[i * dp + d] = static_cast<float>(x[i * d_model + d]);
 }
 
-/// x transposed in tiles of kBc rows: [tile][dim][kKeyVecs vectors], zero-padded.
+/// x transposed in tiles of kBc rows: [tile][dim][kBc], zero-padded.
 template <typename T>
-void pack_transposed(const T* x, int64_t seq, int64_t d_model, int64_t dp, std::vector<f32x4>& tiles) {
-  tiles.assign((seq + kBc - 1) / kBc * dp * kKeyVecs, f32x4{});
+void pack_transposed(const T* x, int64_t seq, int64_t d_model, int64_t dp, std::vector<float>& tiles) {
+  tiles.assign((seq + kBc - 1) / kBc * dp * kBc, 0.0f);
   for (int64_t j = 0; j < seq; ++j) {
-    float* tile = reinterpret_cast<float*>(tiles.data() + j / kBc * dp * kKeyVecs);
+    float* tile = tiles.data() + j / kBc * dp * kBc;
     for (int64_t d = 0; d < d_model; ++d) tile[d * kBc + j % kBc] = static_cast<float>(x[j * d_model + d]);
   }
 }
 
 /// out[i][jj] = a_i · b_jj for `rows` rows of a ([rows][dp]) and the kBc rows of a tile b packed
-/// transposed (bt: [dp][kKeyVecs]): the scores S = Q Kᵀ and dP = dO Vᵀ of a tile pair, with
+/// transposed (bt: [dp][kBc]): the scores S = Q Kᵀ and dP = dO Vᵀ of a tile pair, with
 /// lesson 03's loop (a row's kBc sums in 8 vector registers over the head dim).
-void tile_products(const float* a, int64_t rows, const f32x4* bt, int64_t dp, float* out) {
+void tile_products(const float* a, int64_t rows, const float* bt, int64_t dp, float* out) {
   for (int64_t i = 0; i < rows; ++i) {
     const float* a_i = a + i * dp;
     f32x4 acc[kKeyVecs] = {};
     for (int64_t d = 0; d < dp; ++d) {
       const float a_id = a_i[d];
 #pragma GCC unroll 8
-      for (int64_t c = 0; c < kKeyVecs; ++c) acc[c] += a_id * bt[d * kKeyVecs + c];
+      for (int64_t c = 0; c < kKeyVecs; ++c) acc[c] += a_id * load4(bt + d * kBc + c * kLanes);
     }
 #pragma GCC unroll 8
     for (int64_t c = 0; c < kKeyVecs; ++c) store4(out + i * kBc + c * kLanes, acc[c]);
@@ -131,7 +131,7 @@ void backward_tile(const float* s, const float* dpt, const uint8_t* hidden, cons
                    const float* k, const float* lse, const float* delta, int64_t rows, float scale, int64_t dp,
                    float* dq, float* dk, float* dv) {
   // BEGIN SOLUTION task 1: the gradients of one tile pair
-  // STUB: // TODO(lesson 05, task 1): P and dS of the tile, then dv += Pᵀ·dout, dk += dSᵀ·q, dq += dS·k (skip hidden pairs).
+  // STUB: // TODO(lesson 05, task 1): P and dS of the tile, then dv += Pᵀ·dout, dk += dSᵀ·q, dq += dS·k.
   // STUB: // README, "Task 1 — the block backward on the CPU (`block_backward.cpp`)".
   // STUB: (void)s, (void)dpt, (void)hidden, (void)q, (void)dout, (void)k, (void)lse, (void)delta, (void)rows,
   // STUB: (void)scale, (void)dp, (void)dq, (void)dk, (void)dv;
@@ -205,14 +205,14 @@ void backward_group(const T* q, const T* k, const T* v, const T* dout, const flo
                     int64_t group, float* dq, float* dk, float* dv) {
   const int64_t d_model = s.head_dim, dp = (d_model + kDimAlign - 1) / kDimAlign * kDimAlign;
   const int64_t key_tiles = (s.seq_k + kBc - 1) / kBc, query_tiles = (s.seq_q + kBr - 1) / kBr;
-  std::vector<f32x4> kt, vt;
-  std::vector<float> k_rows, q_rows, do_rows, dq_acc, lse_rows, delta_rows;
+  std::vector<float> kt, vt, k_rows, q_rows, do_rows, dq_acc;
   pack_transposed(k, s.seq_k, d_model, dp, kt);
   pack_transposed(v, s.seq_k, d_model, dp, vt);
-  pack_rows(k, s.seq_k, d_model, dp, k_rows);
+  pack_rows(k, s.seq_k, d_model, dp, kBc, k_rows);
   std::vector<float> dk_acc(k_rows.size(), 0.0f), dv_acc(k_rows.size(), 0.0f);
-  std::vector<int64_t> k_min(key_tiles, std::numeric_limits<int64_t>::max()), k_max(key_tiles, std::numeric_limits<int64_t>::min());
-  std::vector<int64_t> q_min(query_tiles, std::numeric_limits<int64_t>::max()), q_max(query_tiles, std::numeric_limits<int64_t>::min());
+  constexpr int64_t kNone = std::numeric_limits<int64_t>::max(), kAll = std::numeric_limits<int64_t>::min();
+  std::vector<int64_t> k_min(key_tiles, kNone), k_max(key_tiles, kAll);  // positions of each tile
+  std::vector<int64_t> q_min(query_tiles, kNone), q_max(query_tiles, kAll);
   for (int64_t j = 0; j < s.seq_k; ++j) {
     k_min[j / kBc] = std::min(k_min[j / kBc], k_pos[j]);
     k_max[j / kBc] = std::max(k_max[j / kBc], k_pos[j]);
@@ -225,8 +225,8 @@ void backward_group(const T* q, const T* k, const T* v, const T* dout, const flo
   uint8_t hidden[kBr * kBc];
   const int64_t sd = s.seq_q * d_model;
   for (int64_t h = 0; h < group; ++h) {
-    pack_rows(q + h * sd, s.seq_q, d_model, dp, q_rows);
-    pack_rows(dout + h * sd, s.seq_q, d_model, dp, do_rows);
+    pack_rows(q + h * sd, s.seq_q, d_model, dp, kBr, q_rows);
+    pack_rows(dout + h * sd, s.seq_q, d_model, dp, kBr, do_rows);
     dq_acc.assign(q_rows.size(), 0.0f);
     const float* lse_h = lse + h * s.seq_q;
     const float* delta_h = delta + h * s.seq_q;
@@ -242,10 +242,11 @@ void backward_group(const T* q, const T* k, const T* v, const T* dout, const flo
         if (masked) {
           for (int64_t i = 0; i < rows; ++i)
             for (int64_t jj = 0; jj < kBc; ++jj)
-              hidden[i * kBc + jj] = jj >= n || lse_h[i0 + i] == -INFINITY || (causal && k_pos[j0 + jj] > q_pos[i0 + i]);
+              hidden[i * kBc + jj] =
+                  jj >= n || lse_h[i0 + i] == -INFINITY || (causal && k_pos[j0 + jj] > q_pos[i0 + i]);
         }
-        tile_products(q_rows.data() + i0 * dp, rows, kt.data() + t * dp * kKeyVecs, dp, s_tile);
-        tile_products(do_rows.data() + i0 * dp, rows, vt.data() + t * dp * kKeyVecs, dp, dp_tile);
+        tile_products(q_rows.data() + i0 * dp, rows, kt.data() + t * dp * kBc, dp, s_tile);
+        tile_products(do_rows.data() + i0 * dp, rows, vt.data() + t * dp * kBc, dp, dp_tile);
         backward_tile(s_tile, dp_tile, masked ? hidden : nullptr, q_rows.data() + i0 * dp, do_rows.data() + i0 * dp,
                       k_rows.data() + j0 * dp, lse_h + i0, delta_h + i0, rows, scale, dp, dq_acc.data() + i0 * dp,
                       dk_acc.data() + j0 * dp, dv_acc.data() + j0 * dp);
