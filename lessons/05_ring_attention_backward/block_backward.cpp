@@ -11,6 +11,7 @@
 
 #include "common/error.h"
 #include "common/tensor_checks.h"
+#include "kernels/cpu_simd.h"
 #include "ring_attention_backward.h"
 
 #if CP_WITH_CUDA
@@ -39,53 +40,17 @@ torch::Tensor softmax_backward_delta(const torch::Tensor& dout, const torch::Ten
 // dK += dSᵀ Q, dQ += dS K. dK, dV of the group and dQ of the head are float32 accumulators in
 // packed rows, added into the outputs once at the end (README, "The block backward on the CPU").
 
-/// Four floats in one SIMD register (SSE2 on x86-64, NEON on arm64): GCC's and Clang's vector
-/// extension, as in lesson 03. `a * b`, `a + b`, `a * 2.0f` act on the four lanes.
-typedef float f32x4 __attribute__((vector_size(16)));
-typedef uint32_t u32x4 __attribute__((vector_size(16)));
+using kernels::exp_nonpos;
+using kernels::f32x4;
+using kernels::kLanes;
+using kernels::load4;
+using kernels::store4;
 
-constexpr int64_t kLanes = 4;                     // floats per f32x4
 constexpr int64_t kBc = 32;                       // keys per tile
 constexpr int64_t kBr = 32;                       // query rows per tile
 constexpr int64_t kKeyVecs = kBc / kLanes;        // a row's kBc values of one tile: 8 vectors
 constexpr int64_t kDimVecs = 8;                   // the sums run over the head dim 8 vectors (32 dims) at a time
 constexpr int64_t kDimAlign = kDimVecs * kLanes;  // packed rows are padded with zeros to a multiple of 32 dims
-
-inline f32x4 load4(const float* p) {
-  f32x4 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline void store4(float* p, f32x4 v) { std::memcpy(p, &v, sizeof v); }
-
-/// The bits of `from` read as a `To` of the same size.
-template <typename To, typename From>
-inline To bits(From from) {
-  static_assert(sizeof(To) == sizeof(From), "bits: sizes differ");
-  To to;
-  std::memcpy(&to, &from, sizeof to);
-  return to;
-}
-
-/// e^x lane by lane for x <= 0 (about 1 ulp): anything below -87 gives 0, NaN stays NaN. Lesson
-/// 03's vectorised expf (its README, "The CPU path").
-inline f32x4 exp_nonpos(f32x4 x) {
-  const f32x4 magic = f32x4{} + 12582912.0f;  // 1.5 · 2^23
-  const f32x4 t = x * 1.44269504088896341f + magic;
-  const f32x4 n = t - magic;
-  const f32x4 r = (x - n * 0.693359375f) - n * -2.12194440e-4f;  // x - n ln 2, in two parts
-  f32x4 p = f32x4{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;  // e^r
-  const u32x4 two_n = ((bits<u32x4>(t) - 0x4B400000u) + 127u) << 23;  // 2^n, built in the exponent field
-  const u32x4 keep = bits<u32x4>(!(x < -87.0f));                         // all ones unless x < -87 (NaN: kept)
-  const u32x4 big = bits<u32x4>(x > 88.0f);                              // past float's range: +inf
-  return bits<f32x4>((bits<u32x4>(p * bits<f32x4>(two_n)) & keep & ~big) | (big & 0x7F800000u));
-}
 
 /// Rows of a float tensor as float32 rows of dp floats (zeros past the head dim and past the
 /// last row, up to a multiple of `tile` rows).
