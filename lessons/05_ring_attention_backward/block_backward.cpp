@@ -5,13 +5,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <vector>
 
 #include "common/error.h"
 #include "common/tensor_checks.h"
-#include "kernels/cpu_simd.h"
+#include "kernels/cpu_tile.h"
 #include "ring_attention_backward.h"
 
 #if CP_WITH_CUDA
@@ -42,34 +41,16 @@ torch::Tensor softmax_backward_delta(const torch::Tensor& dout, const torch::Ten
 
 using kernels::exp_nonpos;
 using kernels::f32x4;
+using kernels::kBc;
+using kernels::kBr;
+using kernels::kDimAlign;
+using kernels::kDimVecs;
+using kernels::kKeyVecs;
 using kernels::kLanes;
 using kernels::load4;
+using kernels::pack_rows;
+using kernels::pack_transposed;
 using kernels::store4;
-
-constexpr int64_t kBc = 32;                       // keys per tile
-constexpr int64_t kBr = 32;                       // query rows per tile
-constexpr int64_t kKeyVecs = kBc / kLanes;        // a row's kBc values of one tile: 8 vectors
-constexpr int64_t kDimVecs = 8;                   // the sums run over the head dim 8 vectors (32 dims) at a time
-constexpr int64_t kDimAlign = kDimVecs * kLanes;  // packed rows are padded with zeros to a multiple of 32 dims
-
-/// Rows of a float tensor as float32 rows of dp floats (zeros past the head dim and past the
-/// last row, up to a multiple of `tile` rows).
-template <typename T>
-void pack_rows(const T* x, int64_t seq, int64_t d_model, int64_t dp, int64_t tile, std::vector<float>& rows) {
-  rows.assign((seq + tile - 1) / tile * tile * dp, 0.0f);
-  for (int64_t i = 0; i < seq; ++i)
-    for (int64_t d = 0; d < d_model; ++d) rows[i * dp + d] = static_cast<float>(x[i * d_model + d]);
-}
-
-/// x transposed in tiles of kBc rows: [tile][dim][kBc], zero-padded.
-template <typename T>
-void pack_transposed(const T* x, int64_t seq, int64_t d_model, int64_t dp, std::vector<float>& tiles) {
-  tiles.assign((seq + kBc - 1) / kBc * dp * kBc, 0.0f);
-  for (int64_t j = 0; j < seq; ++j) {
-    float* tile = tiles.data() + j / kBc * dp * kBc;
-    for (int64_t d = 0; d < d_model; ++d) tile[d * kBc + j % kBc] = static_cast<float>(x[j * d_model + d]);
-  }
-}
 
 /// out[i][jj] = a_i · b_jj for `rows` rows of a ([rows][dp]) and the kBc rows of a tile b packed
 /// transposed (bt: [dp][kBc]): the scores S = Q Kᵀ and dP = dO Vᵀ of a tile pair, with
@@ -111,24 +92,16 @@ template <typename T>
 void backward_group(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta,
                     const int64_t* q_pos, const int64_t* k_pos, bool causal, float scale, const AttentionShapes& s,
                     int64_t group, float* dq, float* dk, float* dv) {
-  const int64_t d_model = s.head_dim, dp = (d_model + kDimAlign - 1) / kDimAlign * kDimAlign;
+  const int64_t d_model = s.head_dim, dp = kernels::padded_dim(d_model);
   const int64_t key_tiles = (s.seq_k + kBc - 1) / kBc, query_tiles = (s.seq_q + kBr - 1) / kBr;
   std::vector<float> kt, vt, k_rows, q_rows, do_rows, dq_acc;
   pack_transposed(k, s.seq_k, d_model, dp, kt);
   pack_transposed(v, s.seq_k, d_model, dp, vt);
   pack_rows(k, s.seq_k, d_model, dp, kBc, k_rows);
   std::vector<float> dk_acc(k_rows.size(), 0.0f), dv_acc(k_rows.size(), 0.0f);
-  constexpr int64_t kNone = std::numeric_limits<int64_t>::max(), kAll = std::numeric_limits<int64_t>::min();
-  std::vector<int64_t> k_min(key_tiles, kNone), k_max(key_tiles, kAll);  // positions of each tile
-  std::vector<int64_t> q_min(query_tiles, kNone), q_max(query_tiles, kAll);
-  for (int64_t j = 0; j < s.seq_k; ++j) {
-    k_min[j / kBc] = std::min(k_min[j / kBc], k_pos[j]);
-    k_max[j / kBc] = std::max(k_max[j / kBc], k_pos[j]);
-  }
-  for (int64_t i = 0; i < s.seq_q; ++i) {
-    q_min[i / kBr] = std::min(q_min[i / kBr], q_pos[i]);
-    q_max[i / kBr] = std::max(q_max[i / kBr], q_pos[i]);
-  }
+  std::vector<int64_t> k_min, k_max, q_min, q_max;  // positions of each tile
+  kernels::tile_position_bounds(k_pos, s.seq_k, kBc, k_min, k_max);
+  kernels::tile_position_bounds(q_pos, s.seq_q, kBr, q_min, q_max);
   alignas(16) float s_tile[kBr * kBc], dp_tile[kBr * kBc];
   uint8_t hidden[kBr * kBc];
   const int64_t sd = s.seq_q * d_model;

@@ -5,13 +5,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <vector>
 
 #include "common/error.h"
 #include "common/tensor_checks.h"
-#include "kernels/cpu_simd.h"
+#include "kernels/cpu_tile.h"
 
 #if CP_WITH_CUDA
 #include "block_attention.cuh"
@@ -33,17 +32,16 @@ namespace {
 
 using kernels::exp_nonpos;
 using kernels::f32x4;
+using kernels::kBc;
+using kernels::kBr;
+using kernels::kDimAlign;
+using kernels::kDimVecs;
+using kernels::kKeyVecs;
 using kernels::kLanes;
 using kernels::load4;
 using kernels::max_keep_nan;
 using kernels::max_lane;
 using kernels::store4;
-
-constexpr int64_t kBc = 32;                       // keys per tile, as in the kernel
-constexpr int64_t kBr = 32;                       // query rows per tile
-constexpr int64_t kKeyVecs = kBc / kLanes;        // a row's scores of one tile: 8 vectors
-constexpr int64_t kDimVecs = 8;                   // O += P V: 8 vectors (32 dims) of O at a time
-constexpr int64_t kDimAlign = kDimVecs * kLanes;  // packed rows: zeros up to a multiple of 32 dims
 
 /// One (batch, kv head)'s keys and values, float32, in tiles of kBc keys (the last one padded
 /// with zero keys): kt holds each tile transposed, [dim][key], so that dim d of the tile's keys is
@@ -58,22 +56,11 @@ struct KeyTiles {
 
 template <typename T>
 void pack_keys(const T* k, const T* v, const int64_t* k_pos, int64_t seq_k, int64_t d_model, KeyTiles& kv) {
-  kv.dp = (d_model + kDimAlign - 1) / kDimAlign * kDimAlign;
+  kv.dp = kernels::padded_dim(d_model);
   kv.tiles = (seq_k + kBc - 1) / kBc;
-  kv.kt.assign(kv.tiles * kv.dp * kBc, 0.0f);
-  kv.v.assign(kv.tiles * kBc * kv.dp, 0.0f);
-  kv.min_pos.assign(kv.tiles, std::numeric_limits<int64_t>::max());
-  kv.max_pos.assign(kv.tiles, std::numeric_limits<int64_t>::min());
-  for (int64_t j = 0; j < seq_k; ++j) {
-    const int64_t t = j / kBc, jj = j % kBc;
-    float* kt = kv.kt.data() + t * kv.dp * kBc;
-    for (int64_t d = 0; d < d_model; ++d) {
-      kt[d * kBc + jj] = static_cast<float>(k[j * d_model + d]);
-      kv.v[j * kv.dp + d] = static_cast<float>(v[j * d_model + d]);
-    }
-    kv.min_pos[t] = std::min(kv.min_pos[t], k_pos[j]);
-    kv.max_pos[t] = std::max(kv.max_pos[t], k_pos[j]);
-  }
+  kernels::pack_transposed(k, seq_k, d_model, kv.dp, kv.kt);
+  kernels::pack_rows(v, seq_k, d_model, kv.dp, kBc, kv.v);
+  kernels::tile_position_bounds(k_pos, seq_k, kBc, kv.min_pos, kv.max_pos);
 }
 
 /// The (m, l, O) state of a query tile's rows: O is [kBr][dp], unnormalised, float32.
