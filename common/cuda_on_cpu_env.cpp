@@ -38,7 +38,7 @@ void compose(char* out, const char* name, const char* a, const char* b = "", con
 }
 
 void add_missing_and_reexec(int /*argc*/, char** argv, char** envp) {
-  static char added[6][kMaxLen];
+  static char added[8][kMaxLen];
   static char* new_envp[kMaxEnv + 7];
   const char* root = CP_CUDA_CPU_ROOT;
   const char* xdg = find(envp, "XDG_CACHE_HOME");
@@ -56,6 +56,14 @@ void add_missing_and_reexec(int /*argc*/, char** argv, char** envp) {
   want("POCL_PATH_LLVM_SPIRV", root, "/bin/llvm-spirv");             // PoCL's default is its build folder
   want("POCL_CACHE_DIR", cache_base, cache_sub, "/pocl");            // kernels compiled for the CPU...
   want("CHIP_MODULE_CACHE_DIR", cache_base, cache_sub, "/chipstar"); // ...cached across runs
+  // How PoCL turns a kernel into a loop over the threads of a block. Its default ("loopvec")
+  // makes one loop per stretch between barriers, and every warp shuffle is a barrier here: the
+  // attention kernels' unrolled shuffles made compiling them 2.5 times slower than with "cbs"
+  // (continuation-based synchronisation) (docs/cuda-on-cpu.md, measured).
+  want("POCL_WORK_GROUP_METHOD", "cbs");
+  // One compiled kernel for every block size, instead of a second one per block size at the first
+  // launch: a quarter less compile time, for kernels that run as fast either way.
+  want("POCL_WORK_GROUP_SPECIALIZATION", "0");
   if (n_added == 0) return;
 
   int n = 0;
