@@ -116,6 +116,28 @@ void Comm::broadcast(torch::Tensor& tensor, int root) {
   start(ops).wait();
 }
 
+torch::Tensor Comm::all_to_all(const torch::Tensor& tensor) {
+  check_buffer(tensor, "all_to_all");
+  check_same_on_every_rank(*this, tensor, "all_to_all");
+  CP_CHECK(tensor.dim() >= 1 && tensor.size(0) % size() == 0,
+           "all_to_all: dim 0 must be divisible by the world size ", size(), ", got shape ", tensor.sizes());
+  torch::Tensor result = torch::empty_like(tensor);
+  const int64_t part = tensor.size(0) / size();  // slices along dim 0 of a contiguous tensor are contiguous
+  std::vector<P2POp> ops;
+  for (int peer = 0; peer < size(); ++peer) {
+    const torch::Tensor outgoing = tensor.narrow(0, peer * part, part);
+    torch::Tensor incoming = result.narrow(0, peer * part, part);
+    if (peer == rank()) {
+      incoming.copy_(outgoing);
+      continue;
+    }
+    ops.push_back(P2POp::send(outgoing, peer));
+    ops.push_back(P2POp::recv(incoming, peer));
+  }
+  start(ops).wait();
+  return result;
+}
+
 void Comm::barrier() {
   torch::Tensor token = torch::zeros({1}, torch::kInt32);
   all_reduce(token, ReduceOp::Sum);

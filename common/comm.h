@@ -85,6 +85,16 @@ class Comm {
   virtual void broadcast(torch::Tensor& tensor, int root);
   /// Returns once every rank has called it.
   virtual void barrier();
+  /// Personalised exchange (torch.distributed's all_to_all_single with equal splits): dim 0 of
+  /// `tensor` (same shape on every rank) is cut into size() equal parts; part p goes to rank p,
+  /// and part p of the result is what rank p sent to this rank. Dim 0 must be divisible by size().
+  virtual torch::Tensor all_to_all(const torch::Tensor& tensor);
+
+  /// A sub-communicator (MPI_Comm_split): collective over this Comm. The ranks that pass the same
+  /// `color` (>= 0) form one new Comm, ranked by `key`, ties broken by the rank here. The result
+  /// is independent of this Comm: messages of one never match receives of the other, and both
+  /// can be used concurrently; every rank must call split() on a Comm in the same order.
+  virtual std::shared_ptr<Comm> split(int color, int key) = 0;
 
  protected:
   /// Checks a peer index and a P2P buffer; `what` names the calling function in the message.

@@ -9,6 +9,10 @@
 // A blocking send returns only when its receive has been matched (rendezvous), which is what
 // makes a naive ring deadlock. The watchdog turns that into cp::DeadlockError: when every live
 // rank is blocked on unmatched operations, nothing can ever change again.
+//
+// Sub-communicators (Comm::split) live in the same world: each Comm has a context number, and
+// an operation only matches one of the same context (MPI's rule). Operations name world ranks
+// internally, so the watchdog sees every rank's waits, whichever communicator they are on.
 #include <torch/types.h>
 #include <torch/utils.h>
 
@@ -18,7 +22,9 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <numeric>
 #include <thread>
+#include <tuple>
 
 #include "common/device.h"
 #include "common/error.h"
@@ -122,8 +128,9 @@ class CopyStream {
 struct PendingOp {
   P2POp::Kind kind;
   torch::Tensor tensor;  // contiguous
-  int owner;             // the rank that posted it
-  int peer;
+  int context;           // the communicator it was posted on (0: the world)
+  int owner;             // the world rank that posted it
+  int peer;              // the world rank of the other side
   Fence ready;           // the owner's buffer is ready (device tensors)
   bool done = false;     // matched and copied (or failed)
   Fence completed;       // the copy has finished on the device
@@ -143,23 +150,32 @@ std::string describe_tensor(const torch::Tensor& t) {
 /// State shared by the ranks of one local world.
 class LocalWorld {
  public:
-  LocalWorld(int size, LocalWorldOptions options)
-      : size_(size), options_(options), sends_(size * size), recvs_(size * size), ranks_(size) {}
+  LocalWorld(int size, LocalWorldOptions options) : size_(size), options_(options), ranks_(size) {}
 
   int size() const { return size_; }
+
+  /// The context of the communicator that ranks calling `parent`'s split number `split` with
+  /// `color` form: the first of them allocates it, the others find it.
+  int context_for(int parent, int64_t split, int color) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto [it, inserted] = contexts_.try_emplace({parent, split, color}, static_cast<int>(contexts_.size()) + 1);
+    return it->second;
+  }
 
   /// Queues an operation; if it completes a pair, copies the data (outside the lock).
   void post(const OpPtr& op) {
     std::unique_lock<std::mutex> lock(mutex_);
     throw_if_aborted();
     const bool is_send = op->kind == P2POp::Kind::Send;
-    const int pair = is_send ? op->owner * size_ + op->peer : op->peer * size_ + op->owner;
-    (is_send ? sends_ : recvs_)[pair].push_back(op);
-    if (sends_[pair].empty() || recvs_[pair].empty()) return;
-    const OpPtr send = sends_[pair].front();
-    const OpPtr recv = recvs_[pair].front();
-    sends_[pair].pop_front();
-    recvs_[pair].pop_front();
+    const Channel channel{op->context, is_send ? op->owner : op->peer, is_send ? op->peer : op->owner};
+    std::deque<OpPtr>& sends = sends_[channel];
+    std::deque<OpPtr>& recvs = recvs_[channel];
+    (is_send ? sends : recvs).push_back(op);
+    if (sends.empty() || recvs.empty()) return;
+    const OpPtr send = sends.front();
+    const OpPtr recv = recvs.front();
+    sends.pop_front();
+    recvs.pop_front();
     CopyStream& stream = *ranks_[recv->owner].incoming;
     lock.unlock();
 
@@ -220,7 +236,7 @@ class LocalWorld {
     std::lock_guard<std::mutex> lock(mutex_);
     for (const OpPtr& op : ops) {
       if (op->done || op->kind != P2POp::Kind::Recv) continue;
-      std::deque<OpPtr>& queue = recvs_[op->peer * size_ + op->owner];
+      std::deque<OpPtr>& queue = recvs_[{op->context, op->peer, op->owner}];
       queue.erase(std::remove(queue.begin(), queue.end(), op), queue.end());
     }
   }
@@ -317,7 +333,9 @@ class LocalWorld {
   const LocalWorldOptions options_;
   std::mutex mutex_;
   std::condition_variable changed_;
-  std::vector<std::deque<OpPtr>> sends_, recvs_;  // indexed by sender * size + receiver
+  using Channel = std::tuple<int, int, int>;  // context, sending world rank, receiving world rank
+  std::map<Channel, std::deque<OpPtr>> sends_, recvs_;  // posted, not yet matched, in order
+  std::map<std::tuple<int, int64_t, int>, int> contexts_;  // (parent context, split number, color) -> context
   std::vector<RankState> ranks_;
   bool aborted_ = false;
   bool deadlocked_ = false;
@@ -327,55 +345,78 @@ class LocalWorld {
 
 class LocalBatch : public detail::PendingBatch {
  public:
-  LocalBatch(std::shared_ptr<LocalWorld> world, int rank, std::vector<OpPtr> ops)
-      : world_(std::move(world)), rank_(rank), ops_(std::move(ops)) {}
+  LocalBatch(std::shared_ptr<LocalWorld> world, int world_rank, std::vector<OpPtr> ops)
+      : world_(std::move(world)), world_rank_(world_rank), ops_(std::move(ops)) {}
   ~LocalBatch() override {
     if (!waited_) world_->withdraw_receives(ops_);
   }
   void wait() override {
     waited_ = true;
-    world_->wait(rank_, ops_);
+    world_->wait(world_rank_, ops_);
   }
 
  private:
   std::shared_ptr<LocalWorld> world_;
-  int rank_;
+  int world_rank_;
   std::vector<OpPtr> ops_;
   bool waited_ = false;
 };
 
 class LocalComm : public Comm {
  public:
-  LocalComm(std::shared_ptr<LocalWorld> world, int rank) : world_(std::move(world)), rank_(rank) {}
+  /// Rank `rank` of the communicator `context` whose ranks are the world ranks `members`.
+  LocalComm(std::shared_ptr<LocalWorld> world, std::vector<int> members, int rank, int context)
+      : world_(std::move(world)), members_(std::move(members)), rank_(rank), context_(context) {}
 
   int rank() const override { return rank_; }
-  int size() const override { return world_->size(); }
+  int size() const override { return static_cast<int>(members_.size()); }
   Backend backend() const override { return Backend::Local; }
 
+  std::shared_ptr<Comm> split(int color, int key) override {
+    CP_CHECK(color >= 0, "split: color must be >= 0, got ", color);
+    const torch::Tensor mine = torch::tensor({static_cast<int64_t>(color), static_cast<int64_t>(key)});
+    const torch::Tensor all = all_gather(mine).view({size(), 2});  // [rank][color, key]
+    const auto colors = all.select(1, 0), keys = all.select(1, 1);
+    std::vector<int> group;  // ranks of this Comm with my color, by (key, rank)
+    for (int r = 0; r < size(); ++r)
+      if (colors[r].item<int64_t>() == color) group.push_back(r);
+    std::stable_sort(group.begin(), group.end(),
+                     [&](int a, int b) { return keys[a].item<int64_t>() < keys[b].item<int64_t>(); });
+    std::vector<int> members;
+    for (int r : group) members.push_back(members_[r]);
+    const int new_rank = static_cast<int>(std::find(group.begin(), group.end(), rank_) - group.begin());
+    const int context = world_->context_for(context_, splits_++, color);
+    return std::make_shared<LocalComm>(world_, std::move(members), new_rank, context);
+  }
+
   void send(const torch::Tensor& tensor, int peer) override {
-    world_->wait(rank_, {post(P2POp::send(tensor, peer), "send")});
+    world_->wait(members_[rank_], {post(P2POp::send(tensor, peer), "send")});
   }
   void recv(torch::Tensor& tensor, int peer) override {
-    world_->wait(rank_, {post(P2POp::recv(tensor, peer), "recv")});
+    world_->wait(members_[rank_], {post(P2POp::recv(tensor, peer), "recv")});
   }
   Request start(const std::vector<P2POp>& ops) override {
     std::vector<OpPtr> posted;
     for (const P2POp& op : ops) posted.push_back(post(op, "start"));
-    return Request(std::make_unique<LocalBatch>(world_, rank_, std::move(posted)));
+    return Request(std::make_unique<LocalBatch>(world_, members_[rank_], std::move(posted)));
   }
 
  private:
   OpPtr post(const P2POp& op, const char* what) {
     check_peer(op.peer, what);
     check_buffer(op.tensor, what);
-    auto pending = std::make_shared<PendingOp>(
-        PendingOp{op.kind, op.tensor, rank_, op.peer, Fence::after_current_work(op.tensor), false, {}, {}});
+    auto pending = std::make_shared<PendingOp>(PendingOp{op.kind, op.tensor, context_, members_[rank_],
+                                                         members_[op.peer], Fence::after_current_work(op.tensor),
+                                                         false, {}, {}});
     world_->post(pending);
     return pending;
   }
 
   std::shared_ptr<LocalWorld> world_;
+  std::vector<int> members_;  // world rank of each rank of this Comm
   int rank_;
+  int context_;
+  int64_t splits_ = 0;  // split() calls so far: the same sequence on every rank
 };
 
 }  // namespace
@@ -393,7 +434,9 @@ void run_local_world(int world_size, const std::function<void(Comm&)>& fn,
       // N ranks share the machine's cores: one intra-op thread per rank avoids oversubscription.
       torch::set_num_threads(1);
       try {
-        LocalComm comm(world, r);
+        std::vector<int> everyone(world_size);
+        std::iota(everyone.begin(), everyone.end(), 0);
+        LocalComm comm(world, std::move(everyone), r, 0);
         fn(comm);
         world->finish(r);
       } catch (const std::exception& e) {

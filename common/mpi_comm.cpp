@@ -235,10 +235,10 @@ class MpiBatch : public detail::PendingBatch {
 
 class MpiComm : public Comm {
  public:
-  MpiComm() : session_(detail::MpiSession::get()), comm_(detail::duplicate_world()) {
+  /// Takes ownership of `comm` (a duplicate of the world, or a split of it).
+  MpiComm(std::shared_ptr<detail::MpiSession> session, MPI_Comm comm) : session_(std::move(session)), comm_(comm) {
     MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
     MPI_CHECK(MPI_Comm_size(comm_, &size_));
-    set_this_rank(rank_);
     timeout_s_ = watchdog_timeout_s();
   }
 
@@ -350,6 +350,25 @@ class MpiComm : public Comm {
 
   void barrier() override { MPI_CHECK(MPI_Barrier(comm_)); }
 
+  torch::Tensor all_to_all(const torch::Tensor& tensor) override {
+    check_buffer(tensor, "all_to_all");
+    check_same_on_every_rank(*this, tensor, "all_to_all");
+    CP_CHECK(tensor.dim() >= 1 && tensor.size(0) % size_ == 0,
+             "all_to_all: dim 0 must be divisible by the world size ", size_, ", got shape ", tensor.sizes());
+    const torch::Tensor host = host_view(tensor, true);
+    torch::Tensor exchanged = torch::empty_like(host, host.options().pinned_memory(false));
+    const int part_bytes = byte_count(host) / size_;
+    MPI_CHECK(MPI_Alltoall(host.data_ptr(), part_bytes, MPI_BYTE, exchanged.data_ptr(), part_bytes, MPI_BYTE, comm_));
+    return exchanged.to(tensor.device());
+  }
+
+  std::shared_ptr<Comm> split(int color, int key) override {
+    CP_CHECK(color >= 0, "split: color must be >= 0, got ", color);
+    MPI_Comm part;
+    MPI_CHECK(MPI_Comm_split(comm_, color, key, &part));
+    return std::make_shared<MpiComm>(session_, part);
+  }
+
  private:
   /// Polls one request of a blocking call until it completes (the watchdog runs meanwhile).
   template <typename What>
@@ -377,7 +396,10 @@ class MpiComm : public Comm {
 
 std::shared_ptr<Comm> mpi_world() {
   run_backward_on_this_thread();  // the rank's backward communicates: keep it (and MPI) on this thread
-  return std::make_shared<MpiComm>();
+  std::shared_ptr<detail::MpiSession> session = detail::MpiSession::get();  // MPI_Init, before duplicate_world
+  auto comm = std::make_shared<MpiComm>(session, detail::duplicate_world());
+  set_this_rank(comm->rank());
+  return comm;
 }
 
 }  // namespace cp

@@ -77,6 +77,15 @@ class NcclComm : public Comm {
     CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking));
   }
 
+  /// A sub-communicator of `parent` (split): its own MPI and NCCL communicators, the same GPU.
+  NcclComm(const NcclComm& parent, int color, int key) : session_(parent.session_), device_(parent.device_) {
+    MPI_CHECK(MPI_Comm_split(parent.mpi_, color, key, &mpi_));
+    MPI_CHECK(MPI_Comm_rank(mpi_, &rank_));
+    MPI_CHECK(MPI_Comm_size(mpi_, &size_));
+    NCCL_CHECK(ncclCommSplit(parent.nccl_, color, key, &nccl_, nullptr));
+    CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking));
+  }
+
   ~NcclComm() override {
     cudaStreamDestroy(comm_stream_);
     ncclCommDestroy(nccl_);
@@ -160,6 +169,14 @@ class NcclComm : public Comm {
   void barrier() override {
     CUDA_CHECK(cudaStreamSynchronize(current_cuda_stream()));
     MPI_CHECK(MPI_Barrier(mpi_));
+  }
+
+  // all_to_all: the generic one, a grouped ncclSend/ncclRecv per peer through start().
+
+  std::shared_ptr<Comm> split(int color, int key) override {
+    CP_CHECK(color >= 0, "split: color must be >= 0, got ", color);
+    CUDA_CHECK(cudaSetDevice(device_));
+    return std::make_shared<NcclComm>(*this, color, key);
   }
 
  private:

@@ -144,6 +144,86 @@ CP_TEST(Runtime, BarrierWaitsForEveryRank) {
   });
 }
 
+CP_TEST(Runtime, AllToAllSendsPartPToRankP) {
+  for_each_world([](Comm& comm) {
+    const int n = comm.size();
+    for (auto dtype : kP2PDtypes) {
+      // Part p of rank r holds 100·r + 10·p (+ index): it must arrive as part r of rank p.
+      auto part = [&](int sender, int p) { return (rank_tensor(sender, 6, dtype) + 10 * p).view({2, 3}); };
+      std::vector<torch::Tensor> mine, expected;
+      for (int p = 0; p < n; ++p) {
+        mine.push_back(part(comm.rank(), p));
+        expected.push_back(part(p, comm.rank()));
+      }
+      expect_equal(comm.all_to_all(torch::cat(mine, 0)), torch::cat(expected, 0), "all_to_all");
+    }
+    const torch::Tensor empty = torch::zeros({0, 3});
+    EXPECT_EQ(comm.all_to_all(empty).sizes(), empty.sizes());
+  });
+}
+
+CP_TEST(Runtime, SplitGroupsRanksByColorInKeyOrder) {
+  for_each_world([](Comm& comm) {
+    // Two colors (uneven groups when the world is odd), ranked in reverse by the key.
+    const int color = comm.rank() % 2;
+    const std::shared_ptr<Comm> sub = comm.split(color, -comm.rank());
+    std::vector<int64_t> members;  // world ranks of my color, highest first
+    for (int r = comm.size() - 1; r >= 0; --r)
+      if (r % 2 == color) members.push_back(r);
+    ASSERT_EQ(sub->size(), static_cast<int>(members.size()));
+    EXPECT_EQ(members[sub->rank()], comm.rank());
+    expect_equal(sub->all_gather(torch::tensor({static_cast<int64_t>(comm.rank())})), torch::tensor(members),
+                 "world ranks of the sub-communicator, in its rank order");
+
+    // Point-to-point and the personalised exchange use the sub-communicator's own ranks.
+    const int next = (sub->rank() + 1) % sub->size(), prev = (sub->rank() + sub->size() - 1) % sub->size();
+    torch::Tensor incoming = torch::empty({3});
+    sub->sendrecv(rank_tensor(comm.rank(), 3), next, incoming, prev);
+    expect_equal(incoming, rank_tensor(static_cast<int>(members[prev]), 3), "ring shift inside the sub-communicator");
+    const torch::Tensor parts = torch::full({sub->size()}, comm.rank(), torch::kLong);
+    expect_equal(sub->all_to_all(parts), torch::tensor(members), "all_to_all inside the sub-communicator");
+
+    // A split of a split: every rank alone.
+    const std::shared_ptr<Comm> single = sub->split(sub->rank(), 0);
+    EXPECT_EQ(single->size(), 1);
+    EXPECT_EQ(single->rank(), 0);
+  });
+}
+
+CP_TEST(Runtime, TwoCommunicatorsOverTheSameRanksNeverMixTheirMessages) {
+  for_each_world([](Comm& comm) {
+    const std::shared_ptr<Comm> a = comm.split(0, comm.rank());
+    const std::shared_ptr<Comm> b = comm.split(0, comm.rank());  // the same ranks, another communicator
+    const int n = comm.size(), next = (comm.rank() + 1) % n, prev = (comm.rank() + n - 1) % n;
+    // Receives are posted A first, sends B first: B's message must not land in A's receive.
+    torch::Tensor on_a = torch::empty({4}), on_b = torch::empty({4});
+    Request recv_a = a->start({P2POp::recv(on_a, prev)});
+    Request recv_b = b->start({P2POp::recv(on_b, prev)});
+    Request send_b = b->start({P2POp::send(rank_tensor(comm.rank(), 4) + 2000, next)});
+    torch::Tensor sum_b = torch::ones({1});
+    b->all_reduce(sum_b, ReduceOp::Sum);  // a collective on B while A's receive is in flight
+    Request send_a = a->start({P2POp::send(rank_tensor(comm.rank(), 4) + 1000, next)});
+    for (Request* r : {&recv_a, &recv_b, &send_b, &send_a}) r->wait();
+    expect_equal(on_a, rank_tensor(prev, 4) + 1000, "message on A");
+    expect_equal(on_b, rank_tensor(prev, 4) + 2000, "message on B");
+    EXPECT_EQ(sum_b.item<float>(), n);
+
+    // Rows and columns of a mesh at once: each rank reduces over both, interleaved.
+    const int cols = n % 2 == 0 ? 2 : 1;
+    const std::shared_ptr<Comm> row = comm.split(comm.rank() / cols, comm.rank());
+    const std::shared_ptr<Comm> col = comm.split(comm.rank() % cols, comm.rank());
+    torch::Tensor over_row = torch::full({2}, static_cast<double>(comm.rank()), torch::kDouble);
+    torch::Tensor over_col = over_row.clone();
+    row->all_reduce(over_row, ReduceOp::Max);
+    col->all_reduce(over_col, ReduceOp::Sum);
+    const int row_last = (comm.rank() / cols) * cols + cols - 1;
+    double col_sum = 0;
+    for (int r = comm.rank() % cols; r < n; r += cols) col_sum += r;
+    EXPECT_EQ(over_row[0].item<double>(), row_last);
+    EXPECT_EQ(over_col[0].item<double>(), col_sum);
+  });
+}
+
 CP_TEST(Runtime, BadArgumentsGiveClearErrors) {
   for_each_world([](Comm& comm) {
     torch::Tensor t = torch::zeros({4});
@@ -153,6 +233,9 @@ CP_TEST(Runtime, BadArgumentsGiveClearErrors) {
     if (comm.size() > 1)
       testing::expect_error([&] { comm.reduce_scatter(torch::zeros({comm.size() + 1})); }, "divisible by the world size");
     testing::expect_error([&] { comm.broadcast(t, -2); }, "root");
+    if (comm.size() > 1)
+      testing::expect_error([&] { comm.all_to_all(torch::zeros({comm.size() + 1})); }, "divisible by the world size");
+    testing::expect_error([&] { comm.split(-1, 0); }, "color must be >= 0");
   });
 }
 
@@ -200,6 +283,30 @@ CP_TEST(LocalBackend, WatchdogNamesTheCycleOfANaiveBlockingRing) {
       EXPECT_NE(what.find("Wait-for cycle"), std::string::npos) << what;
     }
     EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  }
+}
+
+CP_TEST(LocalBackend, WatchdogSeesADeadlockInsideASubCommunicator) {
+  // Pairs {0, 1} and {2, 3}: the first pair's naive exchange deadlocks while the second finishes.
+  try {
+    run_local_world(
+        4,
+        [](Comm& comm) {
+          const std::shared_ptr<Comm> pair = comm.split(comm.rank() / 2, comm.rank());
+          torch::Tensor t = torch::empty({8});
+          if (comm.rank() < 2) {
+            pair->send(torch::ones({8}), 1 - pair->rank());  // both send first
+            pair->recv(t, 1 - pair->rank());
+          } else {
+            pair->sendrecv(torch::ones({8}), 1 - pair->rank(), t, 1 - pair->rank());
+          }
+        },
+        {std::chrono::milliseconds(200)});
+    ADD_FAILURE() << "a naive exchange inside a sub-communicator must deadlock";
+  } catch (const DeadlockError& e) {
+    const std::string what = e.what();
+    for (const char* edge : {"rank 0 send→1", "rank 1 send→0", "already returned"})
+      EXPECT_NE(what.find(edge), std::string::npos) << "missing '" << edge << "' in: " << what;
   }
 }
 
