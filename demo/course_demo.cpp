@@ -96,7 +96,7 @@ double elapsed_ms(std::chrono::steady_clock::time_point start, torch::Device dev
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
 }
 
-std::vector<double> run_strategy(cp::Comm& comm, const Problem& p, const Reference& ref, cp::Strategy strategy,
+std::vector<double> run_strategy(cp::Comm& comm, const Problem& p, const Reference& ref, const cp::Strategy& strategy,
                                  cp::Trace* trace) {
   auto mine = [&](const torch::Tensor& t) {
     return cp::shard_sequence(t, cp::layout_of(strategy), comm.size(), comm.rank()).contiguous();
@@ -240,7 +240,7 @@ struct StepResult {
 
 /// Forward, loss, backward, gradient all-reduce and one SGD step of ContextParallelAttention on
 /// this rank's shard of lp.x, the way a training loop runs it.
-StepResult layer_step(cp::Comm& comm, const Problem& p, const LayerProblem& lp, cp::Strategy strategy) {
+StepResult layer_step(cp::Comm& comm, const Problem& p, const LayerProblem& lp, const cp::Strategy& strategy) {
   cp::ContextParallelAttention layer(
       comm, cp::ContextParallelAttentionOptions{p.heads_q * p.dim, p.heads_q, p.heads_kv, strategy});
   layer->to(p.device, p.dtype);
@@ -373,7 +373,7 @@ int main(int argc, char** argv) {
     // The layer's step on a world of one rank (plain attention over all of S), the yardstick of
     // the N-rank steps: its own world, before the N-rank one, once per process.
     StepResult one_rank;
-    cp::run_local_world(1, [&](cp::Comm& one) { one_rank = layer_step(one, p, layer, cp::Strategy::Ring); });
+    cp::run_local_world(1, [&](cp::Comm& one) { one_rank = layer_step(one, p, layer, cp::ring_strategy()); });
     cp::Trace trace;
     std::string trace_path = out_dir + "/trace.json";
     int world = 0;
@@ -383,12 +383,12 @@ int main(int argc, char** argv) {
         check_on_every_rank(seq % (2 * n) == 0, cp::detail::concat(option, " ", seq, " must be divisible by 2·world = ",
                                                                    2 * n, " for the zig-zag layout (it cuts S into 2N chunks)"));
       std::vector<std::vector<std::vector<double>>> figures;  // [strategy][rank][field]
-      for (cp::Strategy strategy : cp::all_strategies())
+      for (const cp::Strategy& strategy : cp::all_strategies())
         figures.push_back(gather_rows(comm, run_strategy(comm, p, ref, strategy, &trace), p.device));
       if (comm.rank() == 0) report(p, n, cp::to_string(comm.backend()), figures, out_dir);
       std::vector<std::vector<std::vector<double>>> layer_figures;  // [strategy][rank][LayerField]
       const Tolerance tol = tolerance_for(p.dtype);  // as tests/09_context_parallel_layer_test.cpp checks the step
-      for (cp::Strategy strategy : cp::all_strategies()) {
+      for (const cp::Strategy& strategy : cp::all_strategies()) {
         const StepResult r = layer_step(comm, p, layer, strategy);
         Comparison weights;
         for (size_t i = 0; i < r.weights.size(); ++i)

@@ -1,7 +1,6 @@
 // Lesson 09 — the context-parallel layer: the autograd function of every strategy against
 // float64 attention gradients, the layer's forward, and one SGD step on N ranks against the
 // same step of the same layer on one device (float64 LibTorch autograd with plain ops).
-#include <torch/optim/sgd.h>
 #include <torch/types.h>
 
 #include <cmath>
@@ -9,6 +8,7 @@
 #include "common/error.h"
 #include "common/world.h"
 #include "context_parallel_attention.h"
+#include "layer_reference.h"
 #include "testing/harness.h"
 #include "testing/oracle.h"
 
@@ -18,11 +18,16 @@ namespace {
 using testing::all_close;
 using testing::expect_error;
 using testing::for_each_world;
+using testing::load_weights;
+using testing::make_weights;
+using testing::reference_step;
+using testing::ReferenceStep;
+using testing::Weights;
 
 const std::vector<std::string> kDims = {"b", "h", "s", "d"};
 const std::vector<std::string> kTokenDims = {"b", "s", "e"};
 
-std::string where(Strategy s, const Comm& comm) {
+std::string where(const Strategy& s, const Comm& comm) {
   return to_string(s) + ", rank " + std::to_string(comm.rank()) + " of " + std::to_string(comm.size());
 }
 
@@ -39,7 +44,7 @@ CP_TEST(Lesson09, Task1_GradientsOfEveryStrategyMatchAttention) {
     const double scale = 1.0 / std::sqrt(static_cast<double>(d));
     const auto [out, lse] = testing::oracle_attention(q, k, v, true, pos, pos, scale);
     const auto [dq, dk, dv] = testing::oracle_attention_grads(q, k, v, dout, true, pos, pos, scale);
-    for (Strategy strategy : all_strategies()) {
+    for (const Strategy& strategy : all_strategies()) {
       auto mine = [&](const torch::Tensor& t) { return shard_sequence(t, layout_of(strategy), n, comm.rank()); };
       const torch::Tensor ql = mine(q).requires_grad_(), kl = mine(k).requires_grad_(), vl = mine(v).requires_grad_();
       const torch::Tensor o = context_parallel_attention(comm, ql, kl, vl, strategy);
@@ -51,57 +56,6 @@ CP_TEST(Lesson09, Task1_GradientsOfEveryStrategyMatchAttention) {
       EXPECT_TRUE(all_close(vl.grad(), mine(dv), "dv " + what, kDims, testing::gradient_tolerance(torch::kFloat, dv)));
     }
   });
-}
-
-// ── The single-device reference layer ─────────────────────────────────────────────────────────
-
-struct Weights {
-  torch::Tensor wq, wk, wv, wo;  // as the Linear weights: [out, in]
-};
-
-Weights make_weights(int64_t e, int64_t hq, int64_t hkv, uint64_t seed) {
-  torch::Generator gen = at::detail::createCPUGenerator(seed);
-  const int64_t d = e / hq;
-  const double a = 1.0 / std::sqrt(static_cast<double>(e));
-  return {torch::randn({hq * d, e}, gen) * a, torch::randn({hkv * d, e}, gen) * a, torch::randn({hkv * d, e}, gen) * a,
-          torch::randn({e, hq * d}, gen) * a};
-}
-
-/// Forward, loss, backward and one SGD step of the layer on the whole sequence, in float64 with
-/// plain LibTorch ops and autograd. loss = Σ (y ∘ target) / (B·S): the mean over tokens.
-struct ReferenceStep {
-  torch::Tensor y, loss;
-  Weights updated, grads;
-};
-
-ReferenceStep reference_step(const torch::Tensor& x, const torch::Tensor& target, const Weights& w, int64_t hq,
-                             int64_t hkv, double lr) {
-  auto leaf = [](const torch::Tensor& t) { return t.to(torch::kDouble).requires_grad_(); };
-  const torch::Tensor wq = leaf(w.wq), wk = leaf(w.wk), wv = leaf(w.wv), wo = leaf(w.wo);
-  const torch::Tensor xd = x.to(torch::kDouble);
-  const int64_t b = x.size(0), s = x.size(1), d = w.wq.size(0) / hq;
-  auto heads = [&](const torch::Tensor& t, int64_t h) { return t.view({b, s, h, d}).transpose(1, 2); };
-  const torch::Tensor q = heads(xd.matmul(wq.t()), hq);
-  const torch::Tensor k = heads(xd.matmul(wk.t()), hkv).repeat_interleave(hq / hkv, 1);
-  const torch::Tensor v = heads(xd.matmul(wv.t()), hkv).repeat_interleave(hq / hkv, 1);
-  const torch::Tensor causal = torch::ones({s, s}, torch::kBool).tril();
-  const torch::Tensor scores =
-      q.matmul(k.transpose(-1, -2)).div(std::sqrt(static_cast<double>(d))).masked_fill(causal.logical_not(), -INFINITY);
-  const torch::Tensor o = scores.softmax(-1).matmul(v).transpose(1, 2).reshape({b, s, hq * d});
-  const torch::Tensor y = o.matmul(wo.t());
-  const torch::Tensor loss = (y * target.to(torch::kDouble)).sum() / (b * s);
-  loss.backward();
-  auto step = [&](const torch::Tensor& p) { return (p - lr * p.grad()).detach(); };
-  return {y.detach(), loss.detach(), {step(wq), step(wk), step(wv), step(wo)},
-          {wq.grad(), wk.grad(), wv.grad(), wo.grad()}};
-}
-
-void load_weights(ContextParallelAttention& layer, const Weights& w) {
-  torch::NoGradGuard no_grad;
-  layer->q_proj->weight.copy_(w.wq);
-  layer->k_proj->weight.copy_(w.wk);
-  layer->v_proj->weight.copy_(w.wv);
-  layer->o_proj->weight.copy_(w.wo);
 }
 
 constexpr int64_t kE = 64, kHq = 2, kHkv = 1;  // D = 32
@@ -116,7 +70,7 @@ CP_TEST(Lesson09, Task2_LayerForwardMatchesOneDevice) {
     const torch::Tensor x = torch::randn({2, s, kE}, gen);
     const Weights w = make_weights(kE, kHq, kHkv, 92);
     const ReferenceStep ref = reference_step(x, torch::zeros_like(x), w, kHq, kHkv, 0.0);
-    for (Strategy strategy : all_strategies()) {
+    for (const Strategy& strategy : all_strategies()) {
       ContextParallelAttention layer(comm, ContextParallelAttentionOptions{kE, kHq, kHkv, strategy});
       load_weights(layer, w);
       auto mine = [&](const torch::Tensor& t) { return shard_sequence(t, layout_of(strategy), n, comm.rank(), 1); };
@@ -127,15 +81,15 @@ CP_TEST(Lesson09, Task2_LayerForwardMatchesOneDevice) {
 
 CP_TEST(Lesson09, Task2_BadInputGivesClearErrors) {
   run_local_world(1, [](Comm& comm) {  // counts once implemented
-    ContextParallelAttention layer(comm, ContextParallelAttentionOptions{kE, kHq, kHkv, Strategy::Ring});
+    ContextParallelAttention layer(comm, ContextParallelAttentionOptions{kE, kHq, kHkv, ring_strategy()});
     layer->forward(torch::zeros({1, 4, kE}));
   });
   run_local_world(1, [](Comm& comm) {
-    expect_error([&] { ContextParallelAttention(comm, ContextParallelAttentionOptions{64, 3, 1, Strategy::Ring}); },
+    expect_error([&] { ContextParallelAttention(comm, ContextParallelAttentionOptions{64, 3, 1, ring_strategy()}); },
                  "embed_dim 64 is not divisible by heads_q 3");
-    expect_error([&] { ContextParallelAttention(comm, ContextParallelAttentionOptions{64, 4, 3, Strategy::Ring}); },
+    expect_error([&] { ContextParallelAttention(comm, ContextParallelAttentionOptions{64, 4, 3, ring_strategy()}); },
                  "heads_q 4 is not divisible by heads_kv 3");
-    ContextParallelAttention layer(comm, ContextParallelAttentionOptions{kE, kHq, kHkv, Strategy::Ring});
+    ContextParallelAttention layer(comm, ContextParallelAttentionOptions{kE, kHq, kHkv, ring_strategy()});
     const torch::Tensor t = torch::zeros({1, 2, 4, 32});
     testing::expect_errors({
         {"x with E = 32", [&] { layer->forward(torch::zeros({1, 4, 32})); }, "x: expected [B, S/N, E = 64]"},
@@ -143,9 +97,9 @@ CP_TEST(Lesson09, Task2_BadInputGivesClearErrors) {
          "x: expected the layer's dtype and device (float on cpu), got long int on cpu"},
         {"float64 x into a float32 layer", [&] { layer->forward(torch::zeros({1, 4, kE}, torch::kDouble)); },
          "x: expected the layer's dtype and device"},
-        {"3-D k into strategy_forward", [&] { strategy_forward(comm, t, t[0], t, Strategy::Llama3Fused); },
+        {"3-D k into strategy_forward", [&] { strategy_forward(comm, t, t[0], t, llama3_strategy(Llama3Mode::Fused)); },
          "k: expected at least 4 dimension(s)"},
-        {"3-D v into strategy_backward", [&] { strategy_backward(comm, t, t, t, t[0], t, t[0][0], Strategy::Ring); },
+        {"3-D v into strategy_backward", [&] { strategy_backward(comm, t, t, t, t[0], t, t[0][0], ring_strategy()); },
          "v: expected at least 4 dimension(s)"},
     });
   });
@@ -153,7 +107,7 @@ CP_TEST(Lesson09, Task2_BadInputGivesClearErrors) {
 
 CP_TEST(Lesson09, Task1_EmptyInputGivesEmptyResultsForEveryStrategy) {
   for_each_world([](Comm& comm) {
-    for (Strategy strategy : all_strategies()) {
+    for (const Strategy& strategy : all_strategies()) {
       for (const auto& shape : {std::vector<int64_t>{0, 4, 6, 32}, std::vector<int64_t>{2, 4, 0, 32}}) {
         const torch::Tensor q = torch::zeros(shape, torch::requires_grad());
         const torch::Tensor kv = torch::zeros({shape[0], 2, shape[2], 32}, torch::requires_grad());
@@ -185,40 +139,7 @@ CP_TEST(Lesson09, Task3_AllReduceGradientsAverages) {
 
 CP_TEST(Lesson09, Task3_OneTrainingStepEqualsTheSingleDeviceStep) {
   for_each_world([](Comm& comm) {
-    const int n = comm.size();
-    const int64_t s = 2 * n * 3;
-    const double lr = 0.5;
-    torch::Generator gen = at::detail::createCPUGenerator(93);
-    const torch::Tensor x = torch::randn({2, s, kE}, gen), target = torch::randn({2, s, kE}, gen);
-    const Weights w = make_weights(kE, kHq, kHkv, 94);
-    const ReferenceStep ref = reference_step(x, target, w, kHq, kHkv, lr);
-    for (Strategy strategy : all_strategies()) {
-      const std::string what = where(strategy, comm);
-      ContextParallelAttention layer(comm, ContextParallelAttentionOptions{kE, kHq, kHkv, strategy});
-      broadcast_parameters(comm, *layer);  // replicated weights, then the test's known values
-      load_weights(layer, w);
-      auto mine = [&](const torch::Tensor& t) { return shard_sequence(t, layout_of(strategy), n, comm.rank(), 1); };
-      const torch::Tensor y = layer->forward(mine(x));
-      // Each rank's loss is the mean over its own tokens; the global loss is their mean.
-      const torch::Tensor local_loss = (y * mine(target)).sum() / y.size(0) / y.size(1);
-      local_loss.backward();
-      all_reduce_gradients(comm, *layer);
-      torch::Tensor loss = local_loss.detach().clone();
-      comm.all_reduce(loss, ReduceOp::Sum);
-      EXPECT_NEAR(loss.item<double>() / n, ref.loss.item<double>(), 1e-5 * (1 + std::abs(ref.loss.item<double>())))
-          << "loss, " << what;
-      EXPECT_TRUE(all_close(y, mine(ref.y), "y " + what, kTokenDims));
-      const std::vector<std::pair<torch::nn::Linear*, std::pair<torch::Tensor, torch::Tensor>>> params = {
-          {&layer->q_proj, {ref.grads.wq, ref.updated.wq}}, {&layer->k_proj, {ref.grads.wk, ref.updated.wk}},
-          {&layer->v_proj, {ref.grads.wv, ref.updated.wv}}, {&layer->o_proj, {ref.grads.wo, ref.updated.wo}}};
-      for (const auto& [linear, expected] : params)
-        EXPECT_TRUE(all_close((*linear)->weight.grad(), expected.first, "weight grad " + what, {"o", "i"},
-                              testing::gradient_tolerance(torch::kFloat, expected.first)));
-      torch::optim::SGD sgd(layer->parameters(), torch::optim::SGDOptions(lr));
-      sgd.step();
-      for (const auto& [linear, expected] : params)
-        EXPECT_TRUE(all_close((*linear)->weight, expected.second, "updated weight " + what, {"o", "i"}));
-    }
+    for (const Strategy& strategy : all_strategies()) testing::expect_training_step_matches_one_device(comm, strategy, 93);
   });
 }
 
@@ -231,7 +152,7 @@ CP_TEST(Lesson09Cuda, Task3_TrainingStepOnCuda) {
     const torch::Tensor x = torch::randn({1, s, e}, gen), target = torch::randn({1, s, e}, gen);
     const Weights w = make_weights(e, hq, hkv, 96);
     const ReferenceStep ref = reference_step(x, target, w, hq, hkv, 0.5);
-    for (Strategy strategy : all_strategies()) {
+    for (const Strategy& strategy : all_strategies()) {
       ContextParallelAttention layer(comm, ContextParallelAttentionOptions{e, hq, hkv, strategy});
       load_weights(layer, w);
       layer->to(torch::kCUDA);

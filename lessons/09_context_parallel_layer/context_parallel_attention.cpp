@@ -10,28 +10,7 @@
 
 namespace cp {
 
-std::string to_string(Strategy strategy) {
-  switch (strategy) {
-    case Strategy::Ring: return "ring";
-    case Strategy::ZigZagRing: return "zig-zag ring";
-    case Strategy::Llama3TwoKernels: return "llama3 two kernels";
-    case Strategy::Llama3Fused: return "llama3 fused";
-  }
-  return "?";
-}
-
-const std::vector<Strategy>& all_strategies() {
-  static const std::vector<Strategy> strategies = {Strategy::Ring, Strategy::ZigZagRing, Strategy::Llama3TwoKernels,
-                                                   Strategy::Llama3Fused};
-  return strategies;
-}
-
-TokenLayout layout_of(Strategy strategy) { return strategy == Strategy::Ring ? TokenLayout::Contiguous : TokenLayout::ZigZag; }
-
 namespace {
-
-bool is_llama3(Strategy s) { return s == Strategy::Llama3TwoKernels || s == Strategy::Llama3Fused; }
-Llama3Mode llama3_mode(Strategy s) { return s == Strategy::Llama3Fused ? Llama3Mode::Fused : Llama3Mode::TwoKernels; }
 
 // Lesson 08 works on packed documents: a batch of B zig-zag shards [B, H, S/N, D] is B documents
 // of S tokens, and rank r's packed rows are exactly its shards, sequence after sequence.
@@ -67,48 +46,84 @@ Llama3Options llama3_options(Trace* trace) {
   return options;
 }
 
+/// A ring strategy of lessons 04–07: `forward` and `backward` are the ring functions of a layout.
+template <typename Forward, typename Backward>
+Strategy ring_family(std::string name, TokenLayout layout, Forward forward, Backward backward) {
+  return {std::move(name), layout,
+          [forward](Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, Trace* trace) {
+            const RingResult r = forward(comm, q, k, v, ring_options(true, trace));
+            return StrategyForward{r.out, r.lse, {ring_pairs(r.stats, q.size(0)), r.stats.bytes_sent}};
+          },
+          [backward](Comm& comm, const torch::Tensor& dout, const torch::Tensor& q, const torch::Tensor& k,
+                     const torch::Tensor& v, const torch::Tensor& out, const torch::Tensor& lse, Trace* trace) {
+            const RingGrads g = backward(comm, dout, q, k, v, out, lse, ring_options(true, trace));
+            return StrategyBackward{g.dq, g.dk, g.dv, {ring_pairs(g.stats, q.size(0)), g.stats.bytes_sent}};
+          }};
+}
+
 }  // namespace
 
-StrategyForward strategy_forward(Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                 Strategy strategy, Trace* trace) {
-  check_attention_inputs(q, k, v);
-  const int64_t batch = q.size(0), seq = q.size(2);
-  if (is_llama3(strategy)) {
+Strategy ring_strategy() {
+  return ring_family("ring", TokenLayout::Contiguous, ring_attention_forward, ring_attention_backward);
+}
+
+Strategy zigzag_ring_strategy() {
+  return ring_family("zig-zag ring", TokenLayout::ZigZag, zigzag_ring_attention_forward,
+                     zigzag_ring_attention_backward);
+}
+
+Strategy llama3_strategy(Llama3Mode mode) {
+  auto forward = [mode](Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                        Trace* trace) {
+    const int64_t batch = q.size(0), seq = q.size(2);
     const torch::Tensor cu = batch_cu_seqlens(batch, seq * comm.size());
-    const Llama3Result r = zigzag_llama3_attention_forward(comm, to_packed(q), to_packed(k), to_packed(v), cu,
-                                                           llama3_mode(strategy), llama3_options(trace));
-    return {from_packed(r.out, batch, seq), lse_from_packed(r.lse, batch, seq), {r.stats.pairs, r.stats.bytes_sent}};
-  }
-  const RingOptions options = ring_options(true, trace);
-  const RingResult r = strategy == Strategy::Ring ? ring_attention_forward(comm, q, k, v, options)
-                                                  : zigzag_ring_attention_forward(comm, q, k, v, options);
-  return {r.out, r.lse, {ring_pairs(r.stats, batch), r.stats.bytes_sent}};
+    const Llama3Result r = zigzag_llama3_attention_forward(comm, to_packed(q), to_packed(k), to_packed(v), cu, mode,
+                                                           llama3_options(trace));
+    return StrategyForward{from_packed(r.out, batch, seq), lse_from_packed(r.lse, batch, seq),
+                           {r.stats.pairs, r.stats.bytes_sent}};
+  };
+  auto backward = [mode](Comm& comm, const torch::Tensor& dout, const torch::Tensor& q, const torch::Tensor& k,
+                         const torch::Tensor& v, const torch::Tensor& out, const torch::Tensor& lse, Trace* trace) {
+    const int64_t batch = q.size(0), seq = q.size(2);
+    const torch::Tensor cu = batch_cu_seqlens(batch, seq * comm.size());
+    const Llama3Grads g = zigzag_llama3_attention_backward(comm, to_packed(dout), to_packed(q), to_packed(k),
+                                                           to_packed(v), to_packed(out), lse_to_packed(lse), cu, mode,
+                                                           llama3_options(trace));
+    return StrategyBackward{from_packed(g.dq, batch, seq), from_packed(g.dk, batch, seq),
+                            from_packed(g.dv, batch, seq), {g.stats.pairs, g.stats.bytes_sent}};
+  };
+  return {mode == Llama3Mode::Fused ? "llama3 fused" : "llama3 two kernels", TokenLayout::ZigZag, forward, backward};
+}
+
+const std::vector<Strategy>& all_strategies() {
+  static const std::vector<Strategy> strategies = {ring_strategy(), zigzag_ring_strategy(),
+                                                   llama3_strategy(Llama3Mode::TwoKernels),
+                                                   llama3_strategy(Llama3Mode::Fused)};
+  return strategies;
+}
+
+std::string to_string(const Strategy& strategy) { return strategy.name; }
+
+TokenLayout layout_of(const Strategy& strategy) { return strategy.layout; }
+
+StrategyForward strategy_forward(Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                 const Strategy& strategy, Trace* trace) {
+  check_attention_inputs(q, k, v);
+  return strategy.forward(comm, q, k, v, trace);
 }
 
 StrategyBackward strategy_backward(Comm& comm, const torch::Tensor& dout, const torch::Tensor& q,
                                    const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& out,
-                                   const torch::Tensor& lse, Strategy strategy, Trace* trace) {
+                                   const torch::Tensor& lse, const Strategy& strategy, Trace* trace) {
   check_attention_inputs(q, k, v);
-  const int64_t batch = q.size(0), seq = q.size(2);
-  if (is_llama3(strategy)) {
-    const torch::Tensor cu = batch_cu_seqlens(batch, seq * comm.size());
-    const Llama3Grads g = zigzag_llama3_attention_backward(comm, to_packed(dout), to_packed(q), to_packed(k),
-                                                           to_packed(v), to_packed(out), lse_to_packed(lse), cu,
-                                                           llama3_mode(strategy), llama3_options(trace));
-    return {from_packed(g.dq, batch, seq), from_packed(g.dk, batch, seq), from_packed(g.dv, batch, seq),
-            {g.stats.pairs, g.stats.bytes_sent}};
-  }
-  const RingOptions options = ring_options(true, trace);
-  const RingGrads g = strategy == Strategy::Ring ? ring_attention_backward(comm, dout, q, k, v, out, lse, options)
-                                                 : zigzag_ring_attention_backward(comm, dout, q, k, v, out, lse, options);
-  return {g.dq, g.dk, g.dv, {ring_pairs(g.stats, batch), g.stats.bytes_sent}};
+  return strategy.backward(comm, dout, q, k, v, out, lse, trace);
 }
 
 namespace {
 
 /// What the backward needs besides tensors; autograd keeps it in the context as a capsule.
 struct AttentionSetup : torch::CustomClassHolder {
-  AttentionSetup(Comm* comm, Strategy strategy) : comm(comm), strategy(strategy) {}
+  AttentionSetup(Comm* comm, Strategy strategy) : comm(comm), strategy(std::move(strategy)) {}
   Comm* comm;
   Strategy strategy;
 };
@@ -116,7 +131,7 @@ struct AttentionSetup : torch::CustomClassHolder {
 class ContextParallelAttentionFunction : public torch::autograd::Function<ContextParallelAttentionFunction> {
  public:
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
-                               const torch::Tensor& v, Comm* comm, Strategy strategy) {
+                               const torch::Tensor& v, Comm* comm, const Strategy& strategy) {
     // BEGIN YOUR CODE task 1: the autograd function
     // TODO(lesson 09, task 1a): run strategy_forward, save what the backward needs (tensors and setup), return out.
     // README, "Task 1 — the autograd function (1a forward, 1b backward)", 1a, and "The capsule".
@@ -139,7 +154,7 @@ class ContextParallelAttentionFunction : public torch::autograd::Function<Contex
 }  // namespace
 
 torch::Tensor context_parallel_attention(Comm& comm, const torch::Tensor& q, const torch::Tensor& k,
-                                         const torch::Tensor& v, Strategy strategy) {
+                                         const torch::Tensor& v, const Strategy& strategy) {
   return ContextParallelAttentionFunction::apply(q, k, v, &comm, strategy);
 }
 

@@ -11,6 +11,7 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/types.h>
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -21,25 +22,10 @@
 
 namespace cp {
 
-/// The context-parallel attention algorithms of the course, all causal.
-enum class Strategy {
-  Ring,              ///< lessons 04–05: contiguous shards, K/V around the ring
-  ZigZagRing,        ///< lesson 07: zig-zag shards, balanced ring
-  Llama3TwoKernels,  ///< lesson 08: zig-zag shards, all-gathered K/V, one call per query group
-  Llama3Fused        ///< lesson 08: the same with one call over duplicated K/V slices
-};
-
-std::string to_string(Strategy strategy);
-const std::vector<Strategy>& all_strategies();
-
-/// How a strategy expects the sequence to be sharded (lesson 07's layouts): contiguous for the
-/// plain ring, zig-zag for the others (for Llama 3 every sequence of the batch is one document).
-TokenLayout layout_of(Strategy strategy);
-
 /// What one strategy call cost this rank.
 struct StrategyStats {
   int64_t pairs = 0;       ///< query × key pairs computed, per head, summed over the batch
-  int64_t bytes_sent = 0;  ///< payload this rank sent (ring: K/V hops; Llama 3: collectives)
+  int64_t bytes_sent = 0;  ///< payload this rank sent (ring: K/V hops; Llama 3: collectives; Ulysses: all-to-alls)
 };
 
 struct StrategyForward {
@@ -53,25 +39,52 @@ struct StrategyBackward {
   StrategyStats stats;
 };
 
-/// Causal attention of this rank's shards q [B, Hq, S/N, D], k, v [B, Hkv, S/N, D] (laid out
-/// as layout_of(strategy) says) with the given strategy; the backward takes the forward's out
-/// and lse. Every strategy gives the same numbers up to rounding.
+/// A context-parallel attention algorithm, causal, as the layer sees it: how the sequence is
+/// sharded (lesson 07's layouts) and its forward and backward on this rank's shards q
+/// [B, Hq, S/N, D], k, v [B, Hkv, S/N, D]; the backward takes the forward's out and lse. Every
+/// strategy gives the same numbers up to rounding. A value, so that later lessons add their own
+/// (lesson 10's ulysses_strategy, lesson 11's hybrid_strategy) without this lesson knowing them.
+struct Strategy {
+  std::string name;
+  TokenLayout layout = TokenLayout::Contiguous;
+  std::function<StrategyForward(Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                Trace* trace)>
+      forward;
+  std::function<StrategyBackward(Comm& comm, const torch::Tensor& dout, const torch::Tensor& q, const torch::Tensor& k,
+                                 const torch::Tensor& v, const torch::Tensor& out, const torch::Tensor& lse,
+                                 Trace* trace)>
+      backward;
+};
+
+Strategy ring_strategy();                   ///< lessons 04–05: contiguous shards, K/V around the ring
+Strategy zigzag_ring_strategy();            ///< lesson 07: zig-zag shards, balanced ring
+Strategy llama3_strategy(Llama3Mode mode);  ///< lesson 08: zig-zag shards, all-gathered K/V (two kernels or fused)
+
+/// The strategies of lessons 04–08, in course order.
+const std::vector<Strategy>& all_strategies();
+
+std::string to_string(const Strategy& strategy);
+/// How a strategy expects the sequence to be sharded (for Llama 3 every sequence of the batch is
+/// one document).
+TokenLayout layout_of(const Strategy& strategy);
+
+/// strategy.forward and strategy.backward after checking q, k, v (check_attention_inputs).
 StrategyForward strategy_forward(Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                 Strategy strategy, Trace* trace = nullptr);
+                                 const Strategy& strategy, Trace* trace = nullptr);
 StrategyBackward strategy_backward(Comm& comm, const torch::Tensor& dout, const torch::Tensor& q,
                                    const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& out,
-                                   const torch::Tensor& lse, Strategy strategy, Trace* trace = nullptr);
+                                   const torch::Tensor& lse, const Strategy& strategy, Trace* trace = nullptr);
 
 /// strategy_forward as a differentiable operation: returns out [B, Hq, S/N, D]; autograd's
 /// backward calls strategy_backward (which communicates: every rank of comm must run it).
 torch::Tensor context_parallel_attention(Comm& comm, const torch::Tensor& q, const torch::Tensor& k,
-                                         const torch::Tensor& v, Strategy strategy);
+                                         const torch::Tensor& v, const Strategy& strategy);
 
 struct ContextParallelAttentionOptions {
   int64_t embed_dim = 0;  ///< E
   int64_t heads_q = 0;    ///< Hq; the head dim is D = E / Hq
   int64_t heads_kv = 0;   ///< Hkv, dividing Hq (grouped-query attention)
-  Strategy strategy = Strategy::ZigZagRing;
+  Strategy strategy = zigzag_ring_strategy();
 };
 
 /// Causal multi-head (grouped-query) self-attention whose sequence is sharded over `comm`:
