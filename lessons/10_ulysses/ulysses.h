@@ -1,0 +1,104 @@
+// Lesson 10 — Ulysses sequence parallelism: the contract the tests use.
+//
+// The other family of context parallelism (DeepSpeed-Ulysses, S. A. Jacobs et al., 2023): the
+// ranks hold the sequence split, [B, H, S/P, D], and one all-to-all swaps that split for a split
+// of the heads, [B, H/P, S, D]. Each rank then runs ordinary attention (lesson 03) over the whole
+// sequence for its heads, and a second all-to-all swaps back. The learner writes ulysses.cpp.
+#pragma once
+
+#include <torch/types.h>
+
+#include <optional>
+
+#include "common/comm.h"
+#include "common/trace.h"
+#include "context_parallel_attention.h"
+#include "zigzag.h"
+
+namespace cp {
+
+/// Options of the Ulysses forward and backward.
+struct UlyssesOptions {
+  bool causal = false;
+  std::optional<double> scale;  ///< default 1/sqrt(D)
+  /// Which tokens each rank holds (lesson 07). Attention runs over the whole sequence, so any
+  /// layout works; causality comes from the layout's global positions.
+  TokenLayout layout = TokenLayout::Contiguous;
+  Trace* trace = nullptr;  ///< if set, compute and communication spans are recorded in it
+};
+
+/// UlyssesOptions with `causal` (and `layout`, `trace`) set, every other field at its default.
+inline UlyssesOptions ulysses_options(bool causal, TokenLayout layout = TokenLayout::Contiguous,
+                                      Trace* trace = nullptr) {
+  UlyssesOptions options;
+  options.causal = causal;
+  options.layout = layout;
+  options.trace = trace;
+  return options;
+}
+
+/// Task 1. Sequence-sharded to head-sharded, one all-to-all over `comm` (P ranks).
+/// @param x  [B, H, S/P, ...] this rank's tokens of every head (any trailing dims: [B, H, S/P]
+///           works for lse), H divisible by P, the same shape on every rank.
+/// @return   [B, H/P, S, ...]: heads [r·H/P, (r+1)·H/P) of rank r, over the tokens of every rank
+///           in rank order (rank 0's S/P tokens, then rank 1's, ...).
+torch::Tensor ulysses_seq_to_heads(Comm& comm, const torch::Tensor& x);
+
+/// Task 1. The inverse of ulysses_seq_to_heads: [B, H/P, S, ...] to [B, H, S/P, ...].
+torch::Tensor ulysses_heads_to_seq(Comm& comm, const torch::Tensor& x);
+
+/// How many key/value heads the all-to-all moves: Hkv when P divides Hkv; P when Hkv divides P
+/// (each K/V head is then replicated P/Hkv times, so that every rank receives the one K/V head
+/// its Hq/P query heads read). Anything else is a cp::Error naming both counts.
+int64_t ulysses_kv_heads(int64_t heads_q, int64_t heads_kv, int world);
+
+/// What one call cost this rank.
+struct UlyssesStats {
+  int64_t bytes_sent = 0;  ///< payload this rank sent to other ranks (its own part stays)
+};
+
+/// The bytes one rank sends, from the formula: each all-to-all of a [B, H, S/P, D] tensor keeps
+/// 1/P of it and sends the rest, (P−1)/P · B·H·(S/P)·D elements. Forward: q, k, v in (K/V with
+/// ulysses_kv_heads heads), out and lse back. Backward: q, k, v, out, dout and lse in, dq, dk, dv
+/// back. `element_size` is the size of one element of q (lse is float32).
+struct UlyssesVolume {
+  int64_t forward_bytes = 0;
+  int64_t backward_bytes = 0;
+};
+UlyssesVolume ulysses_volume(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t seq, int64_t head_dim,
+                             int world, int64_t element_size);
+
+/// This rank's share of full attention over the whole sequence.
+struct UlyssesResult {
+  torch::Tensor out;  ///< [B, Hq, S/P, D], dtype of q
+  torch::Tensor lse;  ///< [B, Hq, S/P] float32
+  UlyssesStats stats;
+};
+
+/// Task 2. Ulysses attention forward.
+/// @param q     [B, Hq, S/P, D]; k, v [B, Hkv, S/P, D], laid out as options.layout says; Hq
+///              divisible by P, Hkv divisible by P or dividing P (ulysses_kv_heads), Hq divisible
+///              by Hkv. Every rank passes the same shapes, dtype and device kind.
+/// CPU: float32/float64; CUDA tensors: float32/float16/bfloat16, D in {32, 64, 128} (lesson 03).
+UlyssesResult ulysses_attention_forward(Comm& comm, const torch::Tensor& q, const torch::Tensor& k,
+                                        const torch::Tensor& v, const UlyssesOptions& options = {});
+
+/// This rank's gradients of full attention over the whole sequence.
+struct UlyssesGrads {
+  torch::Tensor dq, dk, dv;  ///< shapes and dtypes of q, k, v
+  UlyssesStats stats;
+};
+
+/// Task 3. Ulysses attention backward: q, k, v, out, lse are this rank's shards and the forward's
+/// results, dout the gradient of this rank's out. The same exchanges as the forward, transposed:
+/// everything to head-sharded, lesson 05's block backward over the whole sequence, dq, dk, dv back
+/// to sequence-sharded (dk, dv of replicated K/V heads summed over their replicas).
+UlyssesGrads ulysses_attention_backward(Comm& comm, const torch::Tensor& dout, const torch::Tensor& q,
+                                        const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& out,
+                                        const torch::Tensor& lse, const UlyssesOptions& options = {});
+
+/// Ulysses as a strategy of lesson 09's layer (causal, contiguous shards): the layer and its
+/// training step run with it as with the ring.
+Strategy ulysses_strategy();
+
+}  // namespace cp

@@ -1,0 +1,216 @@
+// Lesson 10 — Ulysses: two all-to-alls turn a sequence split into a head split and back, with
+// lesson 03's attention (and lesson 05's backward) over the whole sequence in between.
+#include "ulysses.h"
+
+#include "common/error.h"
+#include "common/tensor_checks.h"
+#include "common/trace.h"
+
+namespace cp {
+
+torch::Tensor ulysses_seq_to_heads(Comm& comm, const torch::Tensor& x) {
+  check_defined(x, "x", 3);
+  CP_CHECK(x.size(1) % comm.size() == 0, "x: the head count ", x.size(1), " (dim 1) must be divisible by the ",
+           comm.size(), " ranks");
+  check_same_on_every_rank(comm, x, "x");
+  const int p = comm.size();
+  // BEGIN SOLUTION task 1: sequence split to head split
+  // STUB: // TODO(lesson 10, task 1): cut the heads into P groups, group j to rank j (all_to_all along dim 0), and
+  // STUB: // lay the received sequence chunks end to end in rank order. README, "Task 1".
+  // STUB: (void)p;
+  // STUB: throw NotImplemented("lesson 10, task 1: ulysses_seq_to_heads");
+  std::vector<int64_t> parts = x.sizes().vec();  // [B, H, S/P, rest...] → [P, B, H/P, S/P, rest...]
+  parts[1] /= p;
+  parts.insert(parts.begin() + 1, p);  // [B, P, H/P, S/P, ...]
+  const torch::Tensor outgoing = x.reshape(parts).movedim(1, 0).contiguous();
+  const torch::Tensor incoming = comm.all_to_all(outgoing);  // [P (source rank), B, H/P, S/P, ...]
+  // The source's tokens are its chunk of the sequence: put the chunks end to end along S.
+  return incoming.movedim(0, 2).flatten(2, 3).contiguous();  // [B, H/P, P·S/P, ...]
+  // END SOLUTION
+}
+
+torch::Tensor ulysses_heads_to_seq(Comm& comm, const torch::Tensor& x) {
+  check_defined(x, "x", 3);
+  CP_CHECK(x.size(2) % comm.size() == 0, "x: the sequence length ", x.size(2), " (dim 2) must be divisible by the ",
+           comm.size(), " ranks");
+  check_same_on_every_rank(comm, x, "x");
+  const int p = comm.size();
+  // BEGIN SOLUTION task 1: head split back to sequence split
+  // STUB: // TODO(lesson 10, task 1): cut the sequence into P chunks, chunk j to rank j (all_to_all along dim 0), and
+  // STUB: // stack the received head groups in rank order. README, "Task 1".
+  // STUB: (void)p;
+  // STUB: throw NotImplemented("lesson 10, task 1: ulysses_heads_to_seq");
+  std::vector<int64_t> parts = x.sizes().vec();  // [B, H/P, S, rest...] → [P, B, H/P, S/P, rest...]
+  parts[2] /= p;
+  parts.insert(parts.begin() + 2, p);  // [B, H/P, P, S/P, ...]
+  const torch::Tensor outgoing = x.reshape(parts).movedim(2, 0).contiguous();
+  const torch::Tensor incoming = comm.all_to_all(outgoing);  // [P (source's head group), B, H/P, S/P, ...]
+  return incoming.movedim(0, 1).flatten(1, 2).contiguous();  // [B, H, S/P, ...]
+  // END SOLUTION
+}
+
+int64_t ulysses_kv_heads(int64_t heads_q, int64_t heads_kv, int world) {
+  CP_CHECK(heads_q % world == 0, "ulysses: the query heads Hq = ", heads_q, " must be divisible by the ", world,
+           " ranks (each rank takes Hq/P of them)");
+  CP_CHECK(heads_kv >= 1 && heads_q % heads_kv == 0, "ulysses: Hq = ", heads_q, " must be divisible by Hkv = ", heads_kv);
+  if (heads_kv % world == 0) return heads_kv;
+  CP_CHECK(world % heads_kv == 0, "ulysses: the key/value heads Hkv = ", heads_kv, " must be divisible by the ", world,
+           " ranks, or divide it (then each is replicated P/Hkv times)");
+  return world;
+}
+
+UlyssesVolume ulysses_volume(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t seq, int64_t head_dim,
+                             int world, int64_t element_size) {
+  const int64_t kv = ulysses_kv_heads(heads_q, heads_kv, world);
+  // One all-to-all of a [B, H, S/P, D] tensor sends (P-1)/P of it: (P-1)·B·H·(S/P)·D / P elements.
+  auto sent = [&](int64_t heads, int64_t dim, int64_t bytes) {
+    return (world - 1) * batch * heads * (seq / world) * dim / world * bytes;
+  };
+  const int64_t q = sent(heads_q, head_dim, element_size), k = sent(kv, head_dim, element_size),
+                lse = sent(heads_q, 1, 4);
+  UlyssesVolume v;
+  v.forward_bytes = q + 2 * k + q + lse;             // q, k, v in; out, lse back
+  v.backward_bytes = 3 * q + 2 * k + lse + q + 2 * k;  // q, out, dout, k, v, lse in; dq, dk, dv back
+  return v;
+}
+
+namespace {
+
+/// The checks of a Ulysses call; returns the K/V heads the all-to-all moves (ulysses_kv_heads).
+int64_t check_ulysses_inputs(Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                             const UlyssesOptions& options) {
+  check_attention_inputs(q, k, v);
+  const std::string hint = detail::concat("Is S divisible by N = ", comm.size(), "?");
+  check_same_on_every_rank(comm, q, "q", hint);
+  check_same_on_every_rank(comm, k, "k", hint);
+  CP_CHECK(k.size(2) == q.size(2), "k: every rank holds S/N tokens of q, k and v; q has ", q.size(2), ", k has ",
+           k.size(2));
+  layout_positions(options.layout, q.size(2) * comm.size(), comm.size(), 0);  // S fits the layout (zig-zag: 2N)
+  return ulysses_kv_heads(q.size(1), k.size(1), comm.size());
+}
+
+/// The global positions of the gathered sequence: every rank's tokens, in rank order.
+torch::Tensor gathered_positions(const UlyssesOptions& options, int64_t chunk, int world, torch::Device device) {
+  std::vector<torch::Tensor> parts;
+  for (int r = 0; r < world; ++r) parts.push_back(layout_positions(options.layout, chunk * world, world, r));
+  return torch::cat(parts).to(device);
+}
+
+/// K or V with `heads` heads: itself, or each head repeated heads/Hkv times (GQA with Hkv < P).
+torch::Tensor with_kv_heads(const torch::Tensor& t, int64_t heads) {
+  return heads == t.size(1) ? t : t.repeat_interleave(heads / t.size(1), 1);
+}
+
+/// dK or dV of `heads_kv` heads from the gradient of their replicas: the sum over each head's copies.
+torch::Tensor sum_replicas(const torch::Tensor& grad, int64_t heads_kv) {
+  if (grad.size(1) == heads_kv) return grad;
+  std::vector<int64_t> shape = grad.sizes().vec();  // [B, Hkv·r, S/P, D] → [B, Hkv, r, S/P, D]
+  shape[1] = heads_kv;
+  shape.insert(shape.begin() + 2, grad.size(1) / heads_kv);
+  return grad.reshape(shape).sum(2);
+}
+
+/// Bytes this rank sends when it exchanges `t`: all of it but its own 1/P.
+int64_t sent_bytes(const torch::Tensor& t, int world) { return t.numel() * t.element_size() / world * (world - 1); }
+
+}  // namespace
+
+UlyssesResult ulysses_attention_forward(Comm& comm, const torch::Tensor& q, const torch::Tensor& k,
+                                        const torch::Tensor& v, const UlyssesOptions& options) {
+  const int64_t kv_heads = check_ulysses_inputs(comm, q, k, v, options);
+  const int rank = comm.rank(), p = comm.size();
+  const torch::Tensor pos = gathered_positions(options, q.size(2), p, q.device());
+  UlyssesResult result;
+  // BEGIN SOLUTION task 2: the forward
+  // STUB: // TODO(lesson 10, task 2): q, k, v (K/V with kv_heads heads) to head-sharded; attention over the whole
+  // STUB: // sequence with the positions `pos`; out and lse back to sequence-sharded; count the bytes. README, "Task 2".
+  // STUB: (void)kv_heads, (void)rank, (void)pos;
+  // STUB: throw NotImplemented("lesson 10, task 2: ulysses_attention_forward");
+  const torch::Tensor k_all = with_kv_heads(k, kv_heads).contiguous(), v_all = with_kv_heads(v, kv_heads).contiguous();
+  torch::Tensor qh, kh, vh;  // [B, H/P, S, D]
+  {
+    TraceSpan span(options.trace, rank, "comm", "all-to-all q, k, v");
+    qh = ulysses_seq_to_heads(comm, q.contiguous());
+    kh = ulysses_seq_to_heads(comm, k_all);
+    vh = ulysses_seq_to_heads(comm, v_all);
+  }
+  AttnResult heads;
+  {
+    TraceSpan span(options.trace, rank, "compute", "attention over the whole sequence");
+    heads = attention_block_forward(qh, kh, vh, AttentionMask{options.causal, pos, pos}, options.scale);
+  }
+  {
+    TraceSpan span(options.trace, rank, "comm", "all-to-all out, lse");
+    result.out = ulysses_heads_to_seq(comm, heads.out);
+    result.lse = ulysses_heads_to_seq(comm, heads.lse);
+  }
+  for (const torch::Tensor& t : {q, k_all, v_all, result.out, result.lse}) result.stats.bytes_sent += sent_bytes(t, p);
+  // END SOLUTION
+  return result;
+}
+
+UlyssesGrads ulysses_attention_backward(Comm& comm, const torch::Tensor& dout, const torch::Tensor& q,
+                                        const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& out,
+                                        const torch::Tensor& lse, const UlyssesOptions& options) {
+  const int64_t kv_heads = check_ulysses_inputs(comm, q, k, v, options);
+  CP_CHECK(dout.defined() && out.defined() && dout.sizes() == q.sizes() && out.sizes() == q.sizes(),
+           "dout, out: expected the shape of q ", q.sizes());
+  CP_CHECK(lse.defined() && lse.dim() == 3 && lse.sizes() == q.sizes().slice(0, 3),
+           "lse: expected [B, Hq, S/N] = ", q.sizes().slice(0, 3));
+  const int rank = comm.rank(), p = comm.size();
+  const torch::Tensor pos = gathered_positions(options, q.size(2), p, q.device());
+  UlyssesGrads grads;
+  // BEGIN SOLUTION task 3: the backward
+  // STUB: // TODO(lesson 10, task 3): everything to head-sharded, lesson 05's block backward over the whole sequence,
+  // STUB: // dq, dk, dv back (dk, dv summed over the replicas of a K/V head); count the bytes. README, "Task 3".
+  // STUB: (void)kv_heads, (void)rank, (void)pos;
+  // STUB: throw NotImplemented("lesson 10, task 3: ulysses_attention_backward");
+  const torch::Tensor k_all = with_kv_heads(k, kv_heads).contiguous(), v_all = with_kv_heads(v, kv_heads).contiguous();
+  std::vector<torch::Tensor> heads;  // q, k, v, out, dout, lse as [B, H/P, S, ...]
+  {
+    TraceSpan span(options.trace, rank, "comm", "all-to-all q, k, v, out, dout, lse");
+    for (const torch::Tensor& t : {q.contiguous(), k_all, v_all, out.contiguous(), dout.contiguous(), lse.contiguous()}) {
+      heads.push_back(ulysses_seq_to_heads(comm, t));
+      grads.stats.bytes_sent += sent_bytes(t, p);
+    }
+  }
+  AttnGrads g;
+  {
+    TraceSpan span(options.trace, rank, "compute", "backward over the whole sequence");
+    g = attention_block_backward(heads[4], heads[0], heads[1], heads[2], heads[3], heads[5],
+                                 AttentionMask{options.causal, pos, pos}, options.scale);
+  }
+  {
+    TraceSpan span(options.trace, rank, "comm", "all-to-all dq, dk, dv");
+    // In the inputs' dtype: each head group's gradient is complete, only replicas remain to be summed.
+    const torch::Tensor dq = g.dq.to(q.scalar_type()), dk = g.dk.to(k.scalar_type()), dv = g.dv.to(v.scalar_type());
+    grads.dq = ulysses_heads_to_seq(comm, dq);
+    grads.dk = sum_replicas(ulysses_heads_to_seq(comm, dk), k.size(1));
+    grads.dv = sum_replicas(ulysses_heads_to_seq(comm, dv), v.size(1));
+    for (const torch::Tensor& t : {dq, dk, dv}) grads.stats.bytes_sent += sent_bytes(t, p);
+  }
+  // END SOLUTION
+  return grads;
+}
+
+Strategy ulysses_strategy() {
+  // Work per rank, in the unit of the other strategies (pairs of one head): H/P heads of the whole
+  // S × S block (masked pairs included, as the ring counts its blocks) is S·S/P pairs of one head.
+  auto pairs = [](const Comm& comm, const torch::Tensor& q) {
+    const int64_t s = q.size(2) * comm.size();
+    return q.size(0) * s * s / comm.size();
+  };
+  return {"ulysses", TokenLayout::Contiguous,
+          [pairs](Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, Trace* trace) {
+            const UlyssesResult r = ulysses_attention_forward(comm, q, k, v, ulysses_options(true, TokenLayout::Contiguous, trace));
+            return StrategyForward{r.out, r.lse, {pairs(comm, q), r.stats.bytes_sent}};
+          },
+          [pairs](Comm& comm, const torch::Tensor& dout, const torch::Tensor& q, const torch::Tensor& k,
+                  const torch::Tensor& v, const torch::Tensor& out, const torch::Tensor& lse, Trace* trace) {
+            const UlyssesGrads g = ulysses_attention_backward(comm, dout, q, k, v, out, lse,
+                                                              ulysses_options(true, TokenLayout::Contiguous, trace));
+            return StrategyBackward{g.dq, g.dk, g.dv, {pairs(comm, q), g.stats.bytes_sent}};
+          }};
+}
+
+}  // namespace cp
