@@ -85,13 +85,13 @@ torch::Tensor gathered_positions(const UlyssesOptions& options, int64_t chunk, i
   return torch::cat(parts).to(device);
 }
 
-/// K or V with `heads` heads: itself, or each head repeated heads/Hkv times (GQA with Hkv < P).
-torch::Tensor with_kv_heads(const torch::Tensor& t, int64_t heads) {
+}  // namespace
+
+torch::Tensor replicate_kv_heads(const torch::Tensor& t, int64_t heads) {
   return heads == t.size(1) ? t : t.repeat_interleave(heads / t.size(1), 1);
 }
 
-/// dK or dV of `heads_kv` heads from the gradient of their replicas: the sum over each head's copies.
-torch::Tensor sum_replicas(const torch::Tensor& grad, int64_t heads_kv) {
+torch::Tensor sum_kv_replicas(const torch::Tensor& grad, int64_t heads_kv) {
   if (grad.size(1) == heads_kv) return grad;
   std::vector<int64_t> shape = grad.sizes().vec();  // [B, Hkv·r, S/P, D] → [B, Hkv, r, S/P, D]
   shape[1] = heads_kv;
@@ -99,10 +99,9 @@ torch::Tensor sum_replicas(const torch::Tensor& grad, int64_t heads_kv) {
   return grad.reshape(shape).sum(2);
 }
 
-/// Bytes this rank sends when it exchanges `t`: all of it but its own 1/P.
-int64_t sent_bytes(const torch::Tensor& t, int world) { return t.numel() * t.element_size() / world * (world - 1); }
-
-}  // namespace
+int64_t all_to_all_bytes(const torch::Tensor& t, int world) {
+  return t.numel() * t.element_size() / world * (world - 1);
+}
 
 UlyssesResult ulysses_attention_forward(Comm& comm, const torch::Tensor& q, const torch::Tensor& k,
                                         const torch::Tensor& v, const UlyssesOptions& options) {

@@ -52,6 +52,17 @@ torch::Tensor ulysses_heads_to_seq(Comm& comm, const torch::Tensor& x);
 /// its Hq/P query heads read). Anything else is a cp::Error naming both counts.
 int64_t ulysses_kv_heads(int64_t heads_q, int64_t heads_kv, int world);
 
+/// K or V with `heads` heads (ulysses_kv_heads): t itself, or each of its Hkv heads repeated
+/// heads/Hkv times along dim 1.
+torch::Tensor replicate_kv_heads(const torch::Tensor& t, int64_t heads);
+
+/// The gradient of K or V with `heads_kv` heads from the gradient of its replicas
+/// (replicate_kv_heads): the sum over the copies of each head.
+torch::Tensor sum_kv_replicas(const torch::Tensor& grad, int64_t heads_kv);
+
+/// Bytes one rank sends in an all-to-all of `t` over `world` ranks: all of it but its own 1/world.
+int64_t all_to_all_bytes(const torch::Tensor& t, int world);
+
 /// What one call cost this rank.
 struct UlyssesStats {
   int64_t bytes_sent = 0;  ///< payload this rank sent to other ranks (its own part stays)

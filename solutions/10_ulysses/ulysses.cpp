@@ -96,13 +96,13 @@ torch::Tensor gathered_positions(const UlyssesOptions& options, int64_t chunk, i
   return torch::cat(parts).to(device);
 }
 
-/// K or V with `heads` heads: itself, or each head repeated heads/Hkv times (GQA with Hkv < P).
-torch::Tensor with_kv_heads(const torch::Tensor& t, int64_t heads) {
+}  // namespace
+
+torch::Tensor replicate_kv_heads(const torch::Tensor& t, int64_t heads) {
   return heads == t.size(1) ? t : t.repeat_interleave(heads / t.size(1), 1);
 }
 
-/// dK or dV of `heads_kv` heads from the gradient of their replicas: the sum over each head's copies.
-torch::Tensor sum_replicas(const torch::Tensor& grad, int64_t heads_kv) {
+torch::Tensor sum_kv_replicas(const torch::Tensor& grad, int64_t heads_kv) {
   if (grad.size(1) == heads_kv) return grad;
   std::vector<int64_t> shape = grad.sizes().vec();  // [B, Hkv·r, S/P, D] → [B, Hkv, r, S/P, D]
   shape[1] = heads_kv;
@@ -110,10 +110,9 @@ torch::Tensor sum_replicas(const torch::Tensor& grad, int64_t heads_kv) {
   return grad.reshape(shape).sum(2);
 }
 
-/// Bytes this rank sends when it exchanges `t`: all of it but its own 1/P.
-int64_t sent_bytes(const torch::Tensor& t, int world) { return t.numel() * t.element_size() / world * (world - 1); }
-
-}  // namespace
+int64_t all_to_all_bytes(const torch::Tensor& t, int world) {
+  return t.numel() * t.element_size() / world * (world - 1);
+}
 
 UlyssesResult ulysses_attention_forward(Comm& comm, const torch::Tensor& q, const torch::Tensor& k,
                                         const torch::Tensor& v, const UlyssesOptions& options) {
@@ -126,7 +125,7 @@ UlyssesResult ulysses_attention_forward(Comm& comm, const torch::Tensor& q, cons
   // STUB: // sequence with the positions `pos`; out and lse back to sequence-sharded; count the bytes. README, "Task 2".
   // STUB: (void)kv_heads, (void)rank, (void)pos;
   // STUB: throw NotImplemented("lesson 10, task 2: ulysses_attention_forward");
-  const torch::Tensor k_all = with_kv_heads(k, kv_heads).contiguous(), v_all = with_kv_heads(v, kv_heads).contiguous();
+  const torch::Tensor k_all = replicate_kv_heads(k, kv_heads).contiguous(), v_all = replicate_kv_heads(v, kv_heads).contiguous();
   torch::Tensor qh, kh, vh;  // [B, H/P, S, D]
   {
     TraceSpan span(options.trace, rank, "comm", "all-to-all q, k, v");
@@ -144,7 +143,7 @@ UlyssesResult ulysses_attention_forward(Comm& comm, const torch::Tensor& q, cons
     result.out = ulysses_heads_to_seq(comm, heads.out);
     result.lse = ulysses_heads_to_seq(comm, heads.lse);
   }
-  for (const torch::Tensor& t : {q, k_all, v_all, result.out, result.lse}) result.stats.bytes_sent += sent_bytes(t, p);
+  for (const torch::Tensor& t : {q, k_all, v_all, result.out, result.lse}) result.stats.bytes_sent += all_to_all_bytes(t, p);
   // END SOLUTION
   return result;
 }
@@ -165,13 +164,13 @@ UlyssesGrads ulysses_attention_backward(Comm& comm, const torch::Tensor& dout, c
   // STUB: // dq, dk, dv back (dk, dv summed over the replicas of a K/V head); count the bytes. README, "Task 3".
   // STUB: (void)kv_heads, (void)rank, (void)pos;
   // STUB: throw NotImplemented("lesson 10, task 3: ulysses_attention_backward");
-  const torch::Tensor k_all = with_kv_heads(k, kv_heads).contiguous(), v_all = with_kv_heads(v, kv_heads).contiguous();
+  const torch::Tensor k_all = replicate_kv_heads(k, kv_heads).contiguous(), v_all = replicate_kv_heads(v, kv_heads).contiguous();
   std::vector<torch::Tensor> heads;  // q, k, v, out, dout, lse as [B, H/P, S, ...]
   {
     TraceSpan span(options.trace, rank, "comm", "all-to-all q, k, v, out, dout, lse");
     for (const torch::Tensor& t : {q.contiguous(), k_all, v_all, out.contiguous(), dout.contiguous(), lse.contiguous()}) {
       heads.push_back(ulysses_seq_to_heads(comm, t));
-      grads.stats.bytes_sent += sent_bytes(t, p);
+      grads.stats.bytes_sent += all_to_all_bytes(t, p);
     }
   }
   AttnGrads g;
@@ -185,9 +184,9 @@ UlyssesGrads ulysses_attention_backward(Comm& comm, const torch::Tensor& dout, c
     // In the inputs' dtype: each head group's gradient is complete, only replicas remain to be summed.
     const torch::Tensor dq = g.dq.to(q.scalar_type()), dk = g.dk.to(k.scalar_type()), dv = g.dv.to(v.scalar_type());
     grads.dq = ulysses_heads_to_seq(comm, dq);
-    grads.dk = sum_replicas(ulysses_heads_to_seq(comm, dk), k.size(1));
-    grads.dv = sum_replicas(ulysses_heads_to_seq(comm, dv), v.size(1));
-    for (const torch::Tensor& t : {dq, dk, dv}) grads.stats.bytes_sent += sent_bytes(t, p);
+    grads.dk = sum_kv_replicas(ulysses_heads_to_seq(comm, dk), k.size(1));
+    grads.dv = sum_kv_replicas(ulysses_heads_to_seq(comm, dv), v.size(1));
+    for (const torch::Tensor& t : {dq, dk, dv}) grads.stats.bytes_sent += all_to_all_bytes(t, p);
   }
   // END SOLUTION
   return grads;

@@ -1,0 +1,97 @@
+// Lesson 11 — hybrid context parallelism, Ulysses × ring: the contract the tests use.
+//
+// The P ranks form a mesh of P_u × P_r: groups of P_u consecutive ranks run Ulysses among
+// themselves (lesson 10: all-to-all, heads split P_u ways), and the P_r groups run the zig-zag
+// ring across each other (lesson 07) on their share of the heads (J. Fang and S. Zhao, "USP: A
+// Unified Sequence Parallelism Approach for Long Context Generative AI", 2024). The learner
+// writes hybrid.cpp.
+#pragma once
+
+#include <torch/types.h>
+
+#include <memory>
+#include <optional>
+
+#include "common/comm.h"
+#include "common/trace.h"
+#include "ulysses.h"
+#include "zigzag.h"
+
+namespace cp {
+
+/// The factorisation P = ulysses · ring.
+struct HybridMesh {
+  int ulysses = 1;  ///< P_u: ranks per Ulysses group (consecutive ranks)
+  int ring = 1;     ///< P_r: groups, around the ring
+};
+
+/// The two communicators of one rank of the mesh: rank r = g·P_u + u is rank u of Ulysses group
+/// g (ranks g·P_u … g·P_u + P_u − 1) and rank g of ring u (ranks u, u + P_u, u + 2·P_u, …).
+struct HybridComms {
+  HybridMesh mesh;
+  std::shared_ptr<Comm> ulysses;  ///< P_u ranks
+  std::shared_ptr<Comm> ring;     ///< P_r ranks
+};
+
+/// Task 1. Splits `comm` into the mesh's communicators (collective over comm). A cp::Error when
+/// mesh.ulysses · mesh.ring differs from comm.size() or either is < 1.
+HybridComms make_hybrid_comms(Comm& comm, HybridMesh mesh);
+
+/// The mesh the course picks for P ranks when none is given: the largest P_u with P_u² ≤ P that
+/// divides P and Hq and suits Hkv (ulysses_kv_heads), P_r = P / P_u (P = 4: 2 × 2).
+HybridMesh default_hybrid_mesh(int world, int64_t heads_q, int64_t heads_kv);
+
+/// The bytes one rank sends in a forward and a backward, from the formulas: Ulysses over the P_u
+/// ranks of its group for the group's S/P_r tokens (ulysses_volume), plus lesson 07's ring over
+/// the P_r groups for the K/V of the rank's ulysses_kv_heads/P_u heads: P_r − 1 hops of K and V
+/// forward and backward, and backward P_r hops of the float32 dK, dV (lesson 05 counts N hops, the
+/// last one home; at P_r = 1 that one hop is to itself).
+UlyssesVolume hybrid_volume(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t seq, int64_t head_dim,
+                            HybridMesh mesh, int64_t element_size);
+
+/// Options of the hybrid forward and backward.
+struct HybridOptions {
+  bool causal = false;
+  std::optional<double> scale;  ///< default 1/sqrt(D)
+  Trace* trace = nullptr;
+};
+
+/// What one call cost this rank.
+struct HybridStats {
+  int64_t bytes_ulysses = 0;  ///< sent in the all-to-alls of the Ulysses group
+  int64_t bytes_ring = 0;     ///< sent around the ring
+  int64_t pairs = 0;          ///< query × key pairs computed, in pairs of one head (the ring's pairs
+                              ///< over this rank's H/P_u heads, divided by P_u), summed over the batch
+};
+
+struct HybridResult {
+  torch::Tensor out;  ///< [B, Hq, S/P, D], dtype of q
+  torch::Tensor lse;  ///< [B, Hq, S/P] float32
+  HybridStats stats;
+};
+
+struct HybridGrads {
+  torch::Tensor dq, dk, dv;  ///< shapes and dtypes of q, k, v
+  HybridStats stats;
+};
+
+/// Task 2. Hybrid attention forward. The sequence is zig-zag sharded over all P ranks (lesson 07:
+/// rank r holds chunks r and 2P−1−r of 2P), so S must be divisible by 2P. The tokens of a
+/// Ulysses group are then exactly chunks g and 2P_r−1−g of the ring's zig-zag layout, once the
+/// all-to-all's result is put in position order.
+/// @param q [B, Hq, S/P, D]; k, v [B, Hkv, S/P, D]; Hq divisible by P_u, Hkv as ulysses_kv_heads
+///          wants for P_u ranks. P_u = 1 is lesson 07's zig-zag ring; P_r = 1 is lesson 10.
+HybridResult hybrid_attention_forward(const HybridComms& comms, const torch::Tensor& q, const torch::Tensor& k,
+                                      const torch::Tensor& v, const HybridOptions& options = {});
+
+/// Task 3. Hybrid attention backward: the forward's exchanges transposed around lesson 07's
+/// zig-zag ring backward.
+HybridGrads hybrid_attention_backward(const HybridComms& comms, const torch::Tensor& dout, const torch::Tensor& q,
+                                      const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& out,
+                                      const torch::Tensor& lse, const HybridOptions& options = {});
+
+/// The hybrid on `mesh` as a strategy of lesson 09's layer (causal, zig-zag shards); its name
+/// says the mesh ("hybrid 2x2 (Ulysses x ring)").
+Strategy hybrid_strategy(HybridMesh mesh);
+
+}  // namespace cp
