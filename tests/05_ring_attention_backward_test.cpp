@@ -215,6 +215,9 @@ void check_ring_backward(Comm& comm, torch::Device device, torch::ScalarType dty
   EXPECT_TRUE(all_close(g.dv, shard(dv, comm), "dv " + what, kDims, testing::gradient_tolerance(dtype, dv)));
   EXPECT_EQ(g.stats.steps_computed, causal ? comm.rank() + 1 : comm.size());
   EXPECT_EQ(g.stats.steps_skipped, causal ? comm.size() - 1 - comm.rank() : 0);
+  // N − 1 hops of K and V in their dtype, N hops of the float32 dK, dV (none on one rank).
+  const int64_t n = comm.size(), kv = 2 * 1 * 2 * chunk * d;  // K and V: B · Hkv · S/N · D each
+  EXPECT_EQ(g.stats.bytes_sent, (n - 1) * kv * c10::elementSize(dtype) + (n > 1 ? n : 0) * kv * 4) << what;
 }
 
 CP_TEST(Lesson05, Task3_RingBackwardMatchesAutograd) {

@@ -44,8 +44,8 @@ HybridMesh default_hybrid_mesh(int world, int64_t heads_q, int64_t heads_kv);
 /// The bytes one rank sends in a forward and a backward, from the formulas: Ulysses over the P_u
 /// ranks of its group for the group's S/P_r tokens (ulysses_volume), plus lesson 07's ring over
 /// the P_r groups for the K/V of the rank's ulysses_kv_heads/P_u heads: P_r − 1 hops of K and V
-/// forward and backward, and backward P_r hops of the float32 dK, dV (lesson 05 counts N hops, the
-/// last one home; at P_r = 1 that one hop is to itself).
+/// forward and backward, and backward P_r hops of the float32 dK, dV (lesson 05: N hops, the last
+/// one home; none when P_r = 1). A mesh of 1 × P is the ring's volume, P × 1 Ulysses'.
 UlyssesVolume hybrid_volume(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t seq, int64_t head_dim,
                             HybridMesh mesh, int64_t element_size);
 

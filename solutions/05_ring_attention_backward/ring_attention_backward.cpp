@@ -68,9 +68,13 @@ RingGrads ring_attention_backward(Comm& comm, const torch::Tensor& dout, const t
                                     std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count()});
     }
     if (more_kv && !options.overlap) kv = start_kv_exchange(t);
-    // The accumulators can only leave once this step has added to them.
-    result.stats.bytes_sent += 2 * dk_cur.numel() * dk_cur.element_size();
-    Request grads = options.exchange(comm, {dk_cur, dv_cur}, {dk_next, dv_next});
+    // The accumulators can only leave once this step has added to them. On one rank they are
+    // home already: no hop, nothing sent.
+    Request grads;
+    if (n > 1) {
+      result.stats.bytes_sent += 2 * dk_cur.numel() * dk_cur.element_size();
+      grads = options.exchange(comm, {dk_cur, dv_cur}, {dk_next, dv_next});
+    }
     {
       TraceSpan wait(options.trace, rank, "comm", "wait step " + std::to_string(t));
       kv.wait();
@@ -78,8 +82,10 @@ RingGrads ring_attention_backward(Comm& comm, const torch::Tensor& dout, const t
     }
     k_cur = k_buf[t % 2];  // after the last step unused: no K/V arrived
     v_cur = v_buf[t % 2];
-    std::swap(dk_cur, dk_next);
-    std::swap(dv_cur, dv_next);
+    if (n > 1) {
+      std::swap(dk_cur, dk_next);
+      std::swap(dv_cur, dv_next);
+    }
   }
   // After N hops the accumulators in hand are those of this rank's own chunk.
   result.dq = dq.to(q.scalar_type());
