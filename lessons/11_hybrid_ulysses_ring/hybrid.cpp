@@ -47,7 +47,8 @@ UlyssesVolume hybrid_volume(int64_t batch, int64_t heads_q, int64_t heads_kv, in
                            head_dim;
   const int64_t kv_hops = (mesh.ring - 1) * 2 * kv_chunk * element_size;
   v.forward_bytes += kv_hops;
-  v.backward_bytes += kv_hops + mesh.ring * 2 * kv_chunk * static_cast<int64_t>(sizeof(float));
+  const int64_t accumulator_hops = mesh.ring > 1 ? mesh.ring : 0;  // lesson 05: none on one rank
+  v.backward_bytes += kv_hops + accumulator_hops * 2 * kv_chunk * static_cast<int64_t>(sizeof(float));
   return v;
 }
 
