@@ -1,9 +1,10 @@
 // The course demo (make demo): causal attention sharded over N ranks with every strategy of the
-// course — ring, zig-zag ring, Llama 3 all-gather in both modes — forward and backward, each
-// checked against single-device attention over the whole sequence, in one table: error, per-rank
-// work imbalance, bytes sent, measured peak memory, time. Writes bar charts and a Chrome trace.
-// Then one training step of lesson 09's layer with every strategy against the same step on one
-// rank. It runs the solutions of every lesson (each lesson's own tests and demos run your code).
+// course — ring, zig-zag ring, Llama 3 all-gather in both modes, Ulysses, hybrid Ulysses × ring —
+// forward and backward, each checked against single-device attention over the whole sequence, in
+// one table: error, per-rank work imbalance, bytes sent, measured peak memory, time; then the bytes
+// sent against the formulas. Writes bar charts and a Chrome trace. Then one training step of
+// lesson 09's layer with every strategy against the same step on one rank. It runs the solutions
+// of every lesson (each lesson's own tests and demos run your code).
 //
 //   build/bin/course_demo --out build/demo                               (make demo)
 //   mpirun -np 4 build/bin/course_demo --backend mpi                     (one process per rank)
@@ -17,6 +18,8 @@
 #include <cstdio>
 #include <filesystem>
 #include <numeric>
+#include <optional>
+#include <regex>
 #include <thread>
 
 #include "common/cli.h"
@@ -28,6 +31,7 @@
 #include "common/trace.h"
 #include "common/world.h"
 #include "context_parallel_attention.h"
+#include "hybrid.h"
 
 namespace {
 
@@ -89,6 +93,33 @@ Comparison worst(std::initializer_list<Comparison> comparisons) {
   Comparison w;
   for (const Comparison& c : comparisons) w = {std::max(w.error, c.error), w.ok && c.ok};
   return w;
+}
+
+/// A strategy of the demo, with the mesh whose volume formula (lesson 11's hybrid_volume) counts
+/// its bytes: 1 × N for the rings, N × 1 for Ulysses; none for Llama 3 (lesson 08 has its own).
+struct DemoStrategy {
+  cp::Strategy strategy;
+  std::optional<cp::HybridMesh> mesh;
+};
+
+/// The strategies of the course that can run these heads on `world` ranks: lesson 09's four, then
+/// Ulysses (lesson 10: Hq divisible by N, Hkv dividing N or divisible by it) and the hybrid on the
+/// mesh the course picks (lesson 11). What cannot run is named in `skipped`, with the reason.
+std::vector<DemoStrategy> course_strategies(const Problem& p, int world, std::vector<std::string>& skipped) {
+  const cp::HybridMesh ring{1, world};
+  std::vector<DemoStrategy> strategies = {{cp::ring_strategy(), ring},
+                                          {cp::zigzag_ring_strategy(), ring},
+                                          {cp::llama3_strategy(cp::Llama3Mode::TwoKernels), std::nullopt},
+                                          {cp::llama3_strategy(cp::Llama3Mode::Fused), std::nullopt}};
+  try {
+    cp::ulysses_kv_heads(p.heads_q, p.heads_kv, world);  // the head rule, with its message
+    strategies.push_back({cp::ulysses_strategy(), cp::HybridMesh{world, 1}});
+  } catch (const cp::Error& e) {  // what() is "[rank R] file:line: message": keep the message
+    skipped.push_back(std::regex_replace(e.what(), std::regex("^(\\[rank [0-9]+\\] )?[^ ]+:[0-9]+: "), ""));
+  }
+  const cp::HybridMesh mesh = cp::default_hybrid_mesh(world, p.heads_q, p.heads_kv);
+  strategies.push_back({cp::hybrid_strategy(mesh), mesh});
+  return strategies;
 }
 
 double elapsed_ms(std::chrono::steady_clock::time_point start, torch::Device device) {
@@ -157,9 +188,8 @@ double imbalance(const std::vector<double>& per_rank) {
 }
 
 /// figures[s][rank][field] → the table, and the charts in `out_dir`.
-void report(const Problem& p, int world, const std::string& backend,
+void report(const Problem& p, int world, const std::string& backend, const std::vector<DemoStrategy>& strategies,
             const std::vector<std::vector<std::vector<double>>>& figures, const std::string& out_dir) {
-  const std::vector<cp::Strategy>& strategies = cp::all_strategies();
   auto column = [&](size_t s, Field f) {
     std::vector<double> c;
     for (const std::vector<double>& rank : figures[s]) c.push_back(rank[f]);
@@ -181,7 +211,7 @@ void report(const Problem& p, int world, const std::string& backend,
               "imbalance", "MiB_sent", "peak_fwd", "peak_bwd", "fwd_ms", "bwd_ms");
   for (size_t s = 0; s < strategies.size(); ++s)
     std::printf("  %-19s %10.2e %-4s %10.2e %-4s %9.3f %9.2f %9.2f %9.2f %9.1f %9.1f\n",
-                cp::to_string(strategies[s]).c_str(), max_of(s, kErrOut), mark(s, kOkOut), max_of(s, kErrGrad),
+                strategies[s].strategy.name.c_str(), max_of(s, kErrOut), mark(s, kOkOut), max_of(s, kErrGrad),
                 mark(s, kOkGrad), imbalance(column(s, kPairs)), max_of(s, kMiBSent),
                 max_of(s, kPeakFwd), max_of(s, kPeakBwd), max_of(s, kMsFwd), max_of(s, kMsBwd));
   const Tolerance tol = tolerance_for(p.dtype);
@@ -195,20 +225,68 @@ void report(const Problem& p, int world, const std::string& backend,
       "  at once by a rank during the call, outputs included (cp::MemoryMeter). fwd_ms/bwd_ms: wall time\n"
       "  of the call. Each column: the worst rank.\n"
       "Why llama3 covers more pairs than it needs and holds more memory in the backward: lesson 08,\n"
-      "  \"The forward: gather once, then two query groups\" and \"Memory per rank\".\n",
+      "  \"The forward: gather once, then two query groups\" and \"Memory per rank\". ulysses: lesson 10;\n"
+      "  hybrid PuxPr: lesson 11, Ulysses in groups of Pu ranks and the zig-zag ring over Pr groups.\n",
       c10::toString(p.dtype), tol.abs, tol.rel, tol.abs, tol.rel, tol.rel);
   std::vector<std::string> ranks;
   for (int r = 0; r < world; ++r) ranks.push_back("rank " + std::to_string(r));
   std::vector<cp::BarSeries> work, memory;
   for (size_t s = 0; s < strategies.size(); ++s) {
-    work.push_back({cp::to_string(strategies[s]), column(s, kPairs)});
-    memory.push_back({cp::to_string(strategies[s]), column(s, kPeakBwd)});
+    work.push_back({strategies[s].strategy.name, column(s, kPairs)});
+    memory.push_back({strategies[s].strategy.name, column(s, kPeakBwd)});
   }
   const std::string shape = "S = " + std::to_string(p.seq) + ", N = " + std::to_string(world);
   cp::write_bar_chart(out_dir + "/work_per_rank.svg", "Forward (query, key) pairs per rank, causal, " + shape, ranks,
                       work, "(query, key) pairs");
   cp::write_bar_chart(out_dir + "/peak_memory_per_rank.svg", "Backward peak memory per rank, " + shape, ranks, memory,
                       "MiB");
+}
+
+/// Bytes a rank sends in one forward + backward, from lesson 11's formula: a mesh of 1 × N is the
+/// ring (lessons 04-05, the zig-zag ring moves the same), N × 1 is Ulysses (lesson 10).
+double formula_mib(const Problem& p, cp::HybridMesh mesh) {
+  const cp::UlyssesVolume v = cp::hybrid_volume(p.batch, p.heads_q, p.heads_kv, p.seq, p.dim, mesh,
+                                                c10::elementSize(p.dtype));
+  return (v.forward_bytes + v.backward_bytes) / 1048576.0;
+}
+
+/// Rank 0: measured bytes against the formulas at this N, and the formulas' chart over N.
+void report_volume(const Problem& p, const std::vector<DemoStrategy>& strategies,
+                   const std::vector<std::vector<std::vector<double>>>& figures, const std::string& out_dir) {
+  std::printf("\nBytes sent per rank, forward + backward, measured (MiB_sent above) and from the formulas\n");
+  std::printf("# %-19s %12s %12s\n", "strategy", "MiB_measured", "MiB_formula");
+  for (size_t s = 0; s < strategies.size(); ++s) {
+    if (!strategies[s].mesh) continue;
+    double measured = 0;
+    for (const std::vector<double>& rank : figures[s]) measured = std::max(measured, rank[kMiBSent]);
+    std::printf("  %-19s %12.2f %12.2f\n", strategies[s].strategy.name.c_str(), measured,
+                formula_mib(p, *strategies[s].mesh));
+  }
+  std::printf("Formulas (lessons 05, 10, 11): the ring sends N−1 hops of its K/V chunk and, backward, N hops of\n"
+              "  the float32 dK/dV; Ulysses sends (N−1)/N of every tensor it exchanges (q, k, v, out, lse and\n"
+              "  back); the hybrid Pu × Pr adds Ulysses over Pu ranks and the ring over Pr groups. With GQA\n"
+              "  (Hkv < Hq) the ring moves only the small K/V while Ulysses moves q and out in full, so Ulysses\n"
+              "  can send more; with Hkv = Hq its forward sends N/2 times less than the ring's (lesson 10). Chart\n"
+              "  over N (formulas): bytes_per_rank.svg.\n");
+  std::vector<std::string> sizes;
+  std::vector<cp::BarSeries> series = {{"ring", {}}, {"ulysses", {}}, {"hybrid (course mesh)", {}}};
+  for (int n = 2; n <= 16; n *= 2) {
+    sizes.push_back("N = " + std::to_string(n));
+    series[0].values.push_back(formula_mib(p, {1, n}));
+    bool ulysses_fits = true;
+    try {
+      cp::ulysses_kv_heads(p.heads_q, p.heads_kv, n);
+    } catch (const cp::Error&) {
+      ulysses_fits = false;  // more ranks than heads: Ulysses cannot split them
+    }
+    series[1].values.push_back(ulysses_fits ? formula_mib(p, {n, 1}) : 0.0);
+    series[2].values.push_back(formula_mib(p, cp::default_hybrid_mesh(n, p.heads_q, p.heads_kv)));
+  }
+  cp::write_bar_chart(out_dir + "/bytes_per_rank.svg",
+                      "Bytes sent per rank, forward + backward, from the formulas (S = " + std::to_string(p.seq) +
+                          ", Hq = " + std::to_string(p.heads_q) + ", Hkv = " + std::to_string(p.heads_kv) +
+                          "; Ulysses 0 where N > Hq)",
+                      sizes, series, "MiB");
 }
 
 // ── Lesson 09's layer: one training step on N ranks against the same step on one rank ─────────
@@ -278,7 +356,8 @@ StepResult layer_step(cp::Comm& comm, const Problem& p, const LayerProblem& lp, 
 enum LayerField { kErrLoss, kOkLoss, kErrY, kOkY, kErrWeights, kOkWeights, kStepMs, kLayerFields };
 
 /// Rank 0 prints the layer table: figures[s][rank][LayerField].
-void report_layer(const Problem& p, int64_t seq, const std::vector<std::vector<std::vector<double>>>& figures) {
+void report_layer(const Problem& p, int64_t seq, const std::vector<DemoStrategy>& strategies,
+                  const std::vector<std::vector<std::vector<double>>>& figures) {
   std::printf("\nOne training step of lesson 09's layer (E = %lld, S = %lld, SGD): N ranks against one rank\n",
               (long long)(p.heads_q * p.dim), (long long)seq);
   std::printf("# %-19s %10s %-4s %10s %-4s %11s %-4s %9s\n", "strategy", "err_loss", "", "err_y", "", "err_weights",
@@ -291,7 +370,7 @@ void report_layer(const Problem& p, int64_t seq, const std::vector<std::vector<s
         worst[f] = is_ok ? std::min(worst[f], rank[f]) : std::max(worst[f], rank[f]);
       }
     auto mark = [&](LayerField ok) { return worst[ok] == 1 ? "ok" : "FAIL"; };
-    std::printf("  %-19s %10.2e %-4s %10.2e %-4s %11.2e %-4s %9.1f\n", cp::to_string(cp::all_strategies()[s]).c_str(),
+    std::printf("  %-19s %10.2e %-4s %10.2e %-4s %11.2e %-4s %9.1f\n", strategies[s].strategy.name.c_str(),
                 worst[kErrLoss], mark(kOkLoss), worst[kErrY], mark(kOkY), worst[kErrWeights], mark(kOkWeights),
                 worst[kStepMs]);
   }
@@ -382,13 +461,20 @@ int main(int argc, char** argv) {
       for (const auto& [option, seq] : {std::pair<const char*, int64_t>{"--seq", p.seq}, {"--layer-seq", layer_seq}})
         check_on_every_rank(seq % (2 * n) == 0, cp::detail::concat(option, " ", seq, " must be divisible by 2·world = ",
                                                                    2 * n, " for the zig-zag layout (it cuts S into 2N chunks)"));
+      std::vector<std::string> skipped;
+      const std::vector<DemoStrategy> strategies = course_strategies(p, n, skipped);
       std::vector<std::vector<std::vector<double>>> figures;  // [strategy][rank][field]
-      for (const cp::Strategy& strategy : cp::all_strategies())
-        figures.push_back(gather_rows(comm, run_strategy(comm, p, ref, strategy, &trace), p.device));
-      if (comm.rank() == 0) report(p, n, cp::to_string(comm.backend()), figures, out_dir);
+      for (const DemoStrategy& s : strategies)
+        figures.push_back(gather_rows(comm, run_strategy(comm, p, ref, s.strategy, &trace), p.device));
+      if (comm.rank() == 0) {
+        report(p, n, cp::to_string(comm.backend()), strategies, figures, out_dir);
+        for (const std::string& reason : skipped) std::printf("Not run: %s\n", reason.c_str());
+        report_volume(p, strategies, figures, out_dir);
+      }
       std::vector<std::vector<std::vector<double>>> layer_figures;  // [strategy][rank][LayerField]
       const Tolerance tol = tolerance_for(p.dtype);  // as tests/09_context_parallel_layer_test.cpp checks the step
-      for (const cp::Strategy& strategy : cp::all_strategies()) {
+      for (const DemoStrategy& s : strategies) {
+        const cp::Strategy& strategy = s.strategy;
         const StepResult r = layer_step(comm, p, layer, strategy);
         Comparison weights;
         for (size_t i = 0; i < r.weights.size(); ++i)
@@ -404,7 +490,7 @@ int main(int argc, char** argv) {
       if (backend != cp::Backend::Local) trace_path = out_dir + "/trace.rank" + std::to_string(comm.rank()) + ".json";
       if (comm.rank() != 0) return;
       world = n;
-      report_layer(p, layer_seq, layer_figures);
+      report_layer(p, layer_seq, strategies, layer_figures);
     });
     trace.write(trace_path);
     if (world == 0) return 0;  // not rank 0 of an mpirun world: rank 0 prints
@@ -415,7 +501,8 @@ int main(int argc, char** argv) {
                   "  each: their times compare the strategies with each other; they cannot show a speed-up.",
                   world, world, std::thread::hardware_concurrency());
     std::printf("\nFiles in %s/:\n"
-                "  work_per_rank.svg, peak_memory_per_rank.svg   bar charts (open in a browser)\n"
+                "  work_per_rank.svg, peak_memory_per_rank.svg,  bar charts (open in a browser)\n"
+                "  bytes_per_rank.svg\n"
                 "  %-44s compute and communication spans of every strategy\n"
                 "                                               (chrome://tracing or ui.perfetto.dev)\n",
                 out_dir.c_str(), std::filesystem::path(trace_path).filename().string().c_str());

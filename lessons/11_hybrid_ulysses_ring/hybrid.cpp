@@ -129,7 +129,7 @@ HybridGrads hybrid_attention_backward(const HybridComms& comms, const torch::Ten
 }
 
 Strategy hybrid_strategy(HybridMesh mesh) {
-  const std::string name = "hybrid " + std::to_string(mesh.ulysses) + "x" + std::to_string(mesh.ring) + " (Ulysses x ring)";
+  const std::string name = "hybrid " + std::to_string(mesh.ulysses) + "x" + std::to_string(mesh.ring);
   return {name, TokenLayout::ZigZag,
           [mesh](Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, Trace* trace) {
             HybridOptions options;

@@ -91,7 +91,7 @@ HybridGrads hybrid_attention_backward(const HybridComms& comms, const torch::Ten
                                       const torch::Tensor& lse, const HybridOptions& options = {});
 
 /// The hybrid on `mesh` as a strategy of lesson 09's layer (causal, zig-zag shards); its name
-/// says the mesh ("hybrid 2x2 (Ulysses x ring)").
+/// says the mesh, P_u x P_r ("hybrid 2x2").
 Strategy hybrid_strategy(HybridMesh mesh);
 
 }  // namespace cp
