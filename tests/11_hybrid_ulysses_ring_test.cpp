@@ -5,9 +5,19 @@
 // trained with the hybrid.
 #include <torch/types.h>
 
+#include <unistd.h>
+
 #include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <regex>
+#include <set>
+#include <string>
+#include <tuple>
 
 #include "common/error.h"
+#include "common/trace.h"
 #include "common/world.h"
 #include "hybrid.h"
 #include "layer_reference.h"
@@ -69,13 +79,15 @@ struct Sequence {
   torch::Tensor out, lse, dq, dk, dv;  // float64 oracle over the whole sequence
 };
 
-Sequence make_sequence(int64_t hq, int64_t hkv, int64_t s, int64_t d, bool causal, uint64_t seed) {
+/// q, k, v, dout of `batch` sequences in `dtype` (on the CPU), and the oracle's results for them.
+Sequence make_sequence(int64_t hq, int64_t hkv, int64_t s, int64_t d, bool causal, uint64_t seed,
+                       torch::ScalarType dtype = torch::kFloat, int64_t batch = 2) {
   torch::Generator gen = at::detail::createCPUGenerator(seed);
   Sequence x;
-  x.q = torch::randn({2, hq, s, d}, gen);
-  x.k = torch::randn({2, hkv, s, d}, gen);
-  x.v = torch::randn({2, hkv, s, d}, gen);
-  x.dout = torch::randn({2, hq, s, d}, gen);
+  x.q = torch::randn({batch, hq, s, d}, gen).to(dtype);
+  x.k = torch::randn({batch, hkv, s, d}, gen).to(dtype);
+  x.v = torch::randn({batch, hkv, s, d}, gen).to(dtype);
+  x.dout = torch::randn({batch, hq, s, d}, gen).to(dtype);
   const torch::Tensor pos = torch::arange(s);
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   std::tie(x.out, x.lse) = testing::oracle_attention(x.q, x.k, x.v, causal, pos, pos, scale);
@@ -83,52 +95,140 @@ Sequence make_sequence(int64_t hq, int64_t hkv, int64_t s, int64_t d, bool causa
   return x;
 }
 
-CP_TEST(Lesson11, Task2_ForwardAndTask3_BackwardMatchFullAttentionOnEveryMesh) {
-  for_each_world([](Comm& comm) {
+/// Runs `check(comm, mesh, x, mine, what)` on every mesh P_u × P_r of every world, causal and not,
+/// with Hq = 2P (every P_u divides it) and Hkv = Hq (whole K/V heads on every rank) or Hkv = 2 (1
+/// when P is odd: K/V heads split when P_u ≤ Hkv, replicated when P_u > Hkv). S/P = 14: zig-zag
+/// chunks of 7 tokens, a multiple of no tile. `mine` cuts this rank's zig-zag shard of a tensor.
+template <typename Check>
+void on_every_mesh(Check check) {
+  for_each_world([&](Comm& comm) {
     const int p = comm.size();
-    // Hq = 2P, Hkv = 2: every P_u divides Hq; K/V heads are split (P_u ≤ 2) or replicated.
-    const int64_t hq = 2 * p, hkv = p % 2 == 0 ? 2 : 1, chunk = 14, d = 32;  // S/P = 14: zig-zag chunks of 7
+    const int64_t hq = 2 * p, chunk = 14, d = 32;
     uint64_t seed = 300;
-    for (bool causal : {true, false}) {
-      const Sequence x = make_sequence(hq, hkv, chunk * p, d, causal, seed++);
-      auto mine = [&](const torch::Tensor& t) { return shard_sequence(t, TokenLayout::ZigZag, p, comm.rank()).contiguous(); };
-      for (const HybridMesh& mesh : meshes_of(p)) {
-        const HybridComms comms = make_hybrid_comms(comm, mesh);
-        const std::string what = where(comm, mesh, causal ? "causal" : "full");
-        const HybridResult r = hybrid_attention_forward(comms, mine(x.q), mine(x.k), mine(x.v), hybrid_options(causal));
-        EXPECT_TRUE(all_close(r.out, mine(x.out), "out " + what, kDims));
-        EXPECT_TRUE(all_close(r.lse, mine(x.lse), "lse " + what, {"b", "h", "s"}));
-        const HybridGrads g = hybrid_attention_backward(comms, mine(x.dout), mine(x.q), mine(x.k), mine(x.v), r.out,
-                                                        r.lse, hybrid_options(causal));
-        EXPECT_TRUE(all_close(g.dq, mine(x.dq), "dq " + what, kDims, testing::gradient_tolerance(torch::kFloat, x.dq)));
-        EXPECT_TRUE(all_close(g.dk, mine(x.dk), "dk " + what, kDims, testing::gradient_tolerance(torch::kFloat, x.dk)));
-        EXPECT_TRUE(all_close(g.dv, mine(x.dv), "dv " + what, kDims, testing::gradient_tolerance(torch::kFloat, x.dv)));
-        const UlyssesVolume volume = hybrid_volume(2, hq, hkv, chunk * p, d, mesh, sizeof(float));
-        EXPECT_EQ(r.stats.bytes_ulysses + r.stats.bytes_ring, volume.forward_bytes) << "forward bytes, " << what;
-        EXPECT_EQ(g.stats.bytes_ulysses + g.stats.bytes_ring, volume.backward_bytes) << "backward bytes, " << what;
+    for (int64_t hkv : {hq, static_cast<int64_t>(p % 2 == 0 ? 2 : 1)}) {
+      for (bool causal : {true, false}) {
+        const Sequence x = make_sequence(hq, hkv, chunk * p, d, causal, seed++);
+        auto mine = [&](const torch::Tensor& t) {
+          return shard_sequence(t, TokenLayout::ZigZag, p, comm.rank()).contiguous();
+        };
+        for (const HybridMesh& mesh : meshes_of(p)) {
+          const std::string what = where(comm, mesh, (causal ? "causal, Hkv " : "full, Hkv ") + std::to_string(hkv));
+          check(make_hybrid_comms(comm, mesh), x, causal, mine, what);
+        }
       }
     }
   });
 }
 
+/// The bytes one rank sends: Ulysses' part is lesson 10's volume for the group's S/P_r tokens
+/// over P_u ranks; the ring's is the rest of hybrid_volume (K/V hops; backward the dK/dV hops too).
+struct Bytes {
+  int64_t ulysses, ring;
+};
+std::pair<Bytes, Bytes> expected_bytes(const Sequence& x, HybridMesh mesh) {
+  const int64_t b = x.q.size(0), hq = x.q.size(1), hkv = x.k.size(1), s = x.q.size(2), d = x.q.size(3);
+  const UlyssesVolume group = ulysses_volume(b, hq, hkv, s / mesh.ring, d, mesh.ulysses, sizeof(float));
+  const UlyssesVolume all = hybrid_volume(b, hq, hkv, s, d, mesh, sizeof(float));
+  return {{group.forward_bytes, all.forward_bytes - group.forward_bytes},
+          {group.backward_bytes, all.backward_bytes - group.backward_bytes}};
+}
+
+CP_TEST(Lesson11, Task2_ForwardMatchesFullAttentionOnEveryMesh) {
+  on_every_mesh([](const HybridComms& comms, const Sequence& x, bool causal, auto mine, const std::string& what) {
+    const HybridResult r = hybrid_attention_forward(comms, mine(x.q), mine(x.k), mine(x.v), hybrid_options(causal));
+    EXPECT_TRUE(all_close(r.out, mine(x.out), "out " + what, kDims));
+    EXPECT_TRUE(all_close(r.lse, mine(x.lse), "lse " + what, {"b", "h", "s"}));
+    const Bytes bytes = expected_bytes(x, comms.mesh).first;
+    EXPECT_EQ(r.stats.bytes_ulysses, bytes.ulysses) << "forward all-to-all bytes, " << what;
+    EXPECT_EQ(r.stats.bytes_ring, bytes.ring) << "forward ring bytes, " << what;
+  });
+}
+
+CP_TEST(Lesson11, Task3_BackwardMatchesFullAttentionOnEveryMesh) {
+  on_every_mesh([](const HybridComms& comms, const Sequence& x, bool causal, auto mine, const std::string& what) {
+    // out and lse from the oracle: the backward is checked on its own, whatever the forward does.
+    const HybridGrads g = hybrid_attention_backward(comms, mine(x.dout), mine(x.q), mine(x.k), mine(x.v),
+                                                    mine(x.out).to(torch::kFloat), mine(x.lse).to(torch::kFloat),
+                                                    hybrid_options(causal));
+    EXPECT_TRUE(all_close(g.dq, mine(x.dq), "dq " + what, kDims, testing::gradient_tolerance(torch::kFloat, x.dq)));
+    EXPECT_TRUE(all_close(g.dk, mine(x.dk), "dk " + what, kDims, testing::gradient_tolerance(torch::kFloat, x.dk)));
+    EXPECT_TRUE(all_close(g.dv, mine(x.dv), "dv " + what, kDims, testing::gradient_tolerance(torch::kFloat, x.dv)));
+    const Bytes bytes = expected_bytes(x, comms.mesh).second;
+    EXPECT_EQ(g.stats.bytes_ulysses, bytes.ulysses) << "backward all-to-all bytes, " << what;
+    EXPECT_EQ(g.stats.bytes_ring, bytes.ring) << "backward ring bytes, " << what;
+  });
+}
+
+/// The inputs of the tests of the mesh's ends: Hq = 2P, Hkv = P, S/P = 6 (chunks of 3).
+struct EndsInputs {
+  torch::Tensor q, k, v, dout;
+  std::string me;
+};
+EndsInputs ends_inputs(const Comm& comm) {
+  const int p = comm.size();
+  torch::Generator gen = at::detail::createCPUGenerator(310);
+  EndsInputs x;
+  x.q = torch::randn({1, 2 * p, 6, 32}, gen);
+  x.k = torch::randn({1, p, 6, 32}, gen);
+  x.v = torch::randn({1, p, 6, 32}, gen);
+  x.dout = torch::randn({1, 2 * p, 6, 32}, gen);
+  x.me = ", rank " + std::to_string(comm.rank()) + " of " + std::to_string(p);
+  return x;
+}
+
 CP_TEST(Lesson11, Task2_TheEndsOfTheMeshAreTheRingAndUlysses) {
   for_each_world([](Comm& comm) {
     const int p = comm.size();
-    torch::Generator gen = at::detail::createCPUGenerator(310);
-    const torch::Tensor q = torch::randn({1, 2 * p, 6, 32}, gen), k = torch::randn({1, p, 6, 32}, gen),
-                        v = torch::randn({1, p, 6, 32}, gen);
-    const HybridResult ring_end = hybrid_attention_forward(make_hybrid_comms(comm, {1, p}), q, k, v, hybrid_options(true));
-    const RingResult ring = zigzag_ring_attention_forward(comm, q, k, v, ring_options(true));
-    EXPECT_TRUE(torch::equal(ring_end.out, ring.out)) << "1 x P is lesson 07's zig-zag ring, rank " << comm.rank();
-    EXPECT_TRUE(torch::equal(ring_end.lse, ring.lse)) << "1 x P is lesson 07's zig-zag ring, rank " << comm.rank();
-    EXPECT_EQ(ring_end.stats.bytes_ulysses, 0);
-    const HybridResult ulysses_end = hybrid_attention_forward(make_hybrid_comms(comm, {p, 1}), q, k, v,
+    const EndsInputs x = ends_inputs(comm);
+    // 1 x P: no all-to-all, the ring is the world: lesson 07's zig-zag ring, bit for bit.
+    const HybridResult ring_end = hybrid_attention_forward(make_hybrid_comms(comm, {1, p}), x.q, x.k, x.v,
+                                                           hybrid_options(true));
+    const RingResult ring = zigzag_ring_attention_forward(comm, x.q, x.k, x.v, ring_options(true));
+    EXPECT_TRUE(torch::equal(ring_end.out, ring.out)) << "1 x P out is lesson 07's zig-zag ring" << x.me;
+    EXPECT_TRUE(torch::equal(ring_end.lse, ring.lse)) << "1 x P lse is lesson 07's zig-zag ring" << x.me;
+    EXPECT_EQ(ring_end.stats.bytes_ulysses, 0) << x.me;
+    EXPECT_EQ(ring_end.stats.bytes_ring, ring.stats.bytes_sent) << x.me;
+    // P x 1: one group, a ring of one rank: lesson 10's Ulysses on the zig-zag layout. The same
+    // attention of the same tokens, but the keys come in another order: equal up to rounding.
+    const HybridResult ulysses_end = hybrid_attention_forward(make_hybrid_comms(comm, {p, 1}), x.q, x.k, x.v,
                                                               hybrid_options(true));
-    const UlyssesResult ulysses = ulysses_attention_forward(comm, q, k, v, ulysses_options(true, TokenLayout::ZigZag));
-    // The same attention of the same tokens; the order of the keys differs, so only up to rounding.
-    EXPECT_TRUE(all_close(ulysses_end.out, ulysses.out, "P x 1 against lesson 10's Ulysses", kDims));
-    EXPECT_TRUE(all_close(ulysses_end.lse, ulysses.lse, "P x 1 against lesson 10's Ulysses (lse)", {"b", "h", "s"}));
-    EXPECT_EQ(ulysses_end.stats.bytes_ulysses, ulysses.stats.bytes_sent);
+    const UlyssesResult ulysses =
+        ulysses_attention_forward(comm, x.q, x.k, x.v, ulysses_options(true, TokenLayout::ZigZag));
+    EXPECT_TRUE(all_close(ulysses_end.out, ulysses.out, "P x 1 out against lesson 10's Ulysses" + x.me, kDims));
+    EXPECT_TRUE(all_close(ulysses_end.lse, ulysses.lse, "P x 1 lse against lesson 10's Ulysses" + x.me, {"b", "h", "s"}));
+    EXPECT_EQ(ulysses_end.stats.bytes_ulysses, ulysses.stats.bytes_sent) << x.me;
+    EXPECT_EQ(ulysses_end.stats.bytes_ring, 0) << x.me;
+  });
+}
+
+CP_TEST(Lesson11, Task3_TheEndsOfTheMeshAreTheRingAndUlysses) {
+  for_each_world([](Comm& comm) {
+    const int p = comm.size();
+    const EndsInputs x = ends_inputs(comm);
+    // out and lse from lessons 07 and 10, so that only this lesson's backward is under test.
+    const RingResult ring = zigzag_ring_attention_forward(comm, x.q, x.k, x.v, ring_options(true));
+    const HybridGrads ring_end = hybrid_attention_backward(make_hybrid_comms(comm, {1, p}), x.dout, x.q, x.k, x.v,
+                                                           ring.out, ring.lse, hybrid_options(true));
+    const RingGrads ring_grads =
+        zigzag_ring_attention_backward(comm, x.dout, x.q, x.k, x.v, ring.out, ring.lse, ring_options(true));
+    EXPECT_TRUE(torch::equal(ring_end.dq, ring_grads.dq)) << "1 x P dq is lesson 07's" << x.me;
+    EXPECT_TRUE(torch::equal(ring_end.dk, ring_grads.dk)) << "1 x P dk is lesson 07's" << x.me;
+    EXPECT_TRUE(torch::equal(ring_end.dv, ring_grads.dv)) << "1 x P dv is lesson 07's" << x.me;
+    EXPECT_EQ(ring_end.stats.bytes_ulysses, 0) << x.me;
+    EXPECT_EQ(ring_end.stats.bytes_ring, ring_grads.stats.bytes_sent) << x.me;
+    const UlyssesOptions zigzag = ulysses_options(true, TokenLayout::ZigZag);
+    const UlyssesResult ulysses = ulysses_attention_forward(comm, x.q, x.k, x.v, zigzag);
+    const HybridGrads ulysses_end = hybrid_attention_backward(make_hybrid_comms(comm, {p, 1}), x.dout, x.q, x.k, x.v,
+                                                              ulysses.out, ulysses.lse, hybrid_options(true));
+    const UlyssesGrads ulysses_grads =
+        ulysses_attention_backward(comm, x.dout, x.q, x.k, x.v, ulysses.out, ulysses.lse, zigzag);
+    for (const auto& [name, got, want] : {std::tuple{"dq", ulysses_end.dq, ulysses_grads.dq},
+                                          std::tuple{"dk", ulysses_end.dk, ulysses_grads.dk},
+                                          std::tuple{"dv", ulysses_end.dv, ulysses_grads.dv}})
+      EXPECT_TRUE(all_close(got, want, std::string("P x 1 ") + name + " against lesson 10's Ulysses" + x.me, kDims,
+                            testing::gradient_tolerance(torch::kFloat, want)));
+    EXPECT_EQ(ulysses_end.stats.bytes_ulysses, ulysses_grads.stats.bytes_sent) << x.me;
+    EXPECT_EQ(ulysses_end.stats.bytes_ring, 0) << x.me;
   });
 }
 
@@ -168,6 +268,39 @@ CP_TEST(Lesson11, Task3_EmptyInputGivesEmptyResults) {
   });
 }
 
+/// The ranks ("pid") of the spans of `trace`, read back from the Chrome trace it writes.
+std::set<int> ranks_in_trace(const Trace& trace, int rank) {
+  const std::filesystem::path path = std::filesystem::temp_directory_path() /
+                                     ("lesson11_trace_" + std::to_string(::getpid()) + "_" + std::to_string(rank) + ".json");
+  trace.write(path.string());
+  std::ifstream in(path);
+  const std::string json((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::filesystem::remove(path);
+  std::set<int> ranks;
+  const std::regex pid("\"pid\": ([0-9]+)");
+  for (auto it = std::sregex_iterator(json.begin(), json.end(), pid); it != std::sregex_iterator(); ++it)
+    ranks.insert(std::stoi((*it)[1].str()));
+  return ranks;
+}
+
+CP_TEST(Lesson11, Task3_TraceSpansAreNamedByWorldRank) {
+  for_each_world([](Comm& comm) {
+    const int p = comm.size();
+    // Ranks name their spans by world rank; a span of the ring under its ring rank would land on
+    // another rank's row (the ring's rank 1 is world rank P_u).
+    for (const HybridMesh& mesh : meshes_of(p)) {
+      const HybridComms comms = make_hybrid_comms(comm, mesh);
+      Trace trace;
+      HybridOptions options = hybrid_options(true);
+      options.trace = &trace;
+      const torch::Tensor t = torch::ones({1, p, 4, 32});
+      const HybridResult r = hybrid_attention_forward(comms, t, t, t, options);
+      hybrid_attention_backward(comms, t, t, t, t, r.out, r.lse, options);
+      EXPECT_EQ(ranks_in_trace(trace, comm.rank()), std::set<int>{comm.rank()}) << where(comm, mesh, "ranks of the trace");
+    }
+  });
+}
+
 CP_TEST(Lesson11, Task3_TheLayerTrainsWithTheHybrid) {
   for_each_world([](Comm& comm) {
     const int p = comm.size();
@@ -199,10 +332,44 @@ CP_TEST(Lesson11, Task2_BadInputGivesClearErrors) {
          const torch::Tensor t = torch::zeros({1, 4, comm.rank() == 3 ? 6 : 4, 32});
          hybrid_attention_forward(make_hybrid_comms(comm, {2, 2}), t, t, t);
        }), "Is S divisible by 2P = 8?"},
+      {"dout shorter than q", on_4_ranks([](Comm& comm) {
+         const torch::Tensor t = torch::zeros({1, 4, 4, 32}), lse = torch::zeros({1, 4, 4});
+         hybrid_attention_backward(make_hybrid_comms(comm, {2, 2}), torch::zeros({1, 4, 2, 32}), t, t, t, t, lse);
+       }), "dout, out: expected the shape of q"},
       {"comms not made", [] {
          const torch::Tensor t = torch::zeros({1, 2, 4, 32});
          hybrid_attention_forward(HybridComms{}, t, t, t);
        }, "make_hybrid_comms"},
+  });
+}
+
+CP_TEST(Lesson11Cuda, Task3_ForwardAndBackwardOnCudaOnEveryMesh) {
+  // Every output, every dtype, D = 32 and 128, on every mesh; zig-zag chunks of 40 tokens (not a
+  // multiple of the kernels' 64-row blocks).
+  CP_REQUIRE_GPU();
+  for_each_world([](Comm& comm) {
+    const int p = comm.size();
+    const int64_t hq = 2 * p, hkv = p % 2 == 0 ? 2 : 1, chunk = 80;
+    uint64_t seed = 330;
+    for (auto dtype : {torch::kFloat, torch::kHalf, torch::kBFloat16}) {
+      for (int64_t d : {32, 128}) {
+        const Sequence x = make_sequence(hq, hkv, chunk * p, d, true, seed++, dtype, 1);
+        auto mine = [&](const torch::Tensor& t) { return shard_sequence(t, TokenLayout::ZigZag, p, comm.rank()); };
+        auto on = [&](const torch::Tensor& t) { return mine(t).to(torch::kCUDA).contiguous(); };
+        for (const HybridMesh& mesh : meshes_of(p)) {
+          const HybridComms comms = make_hybrid_comms(comm, mesh);
+          const std::string what = where(comm, mesh, std::string(c10::toString(dtype)) + " D=" + std::to_string(d));
+          const HybridResult r = hybrid_attention_forward(comms, on(x.q), on(x.k), on(x.v), hybrid_options(true));
+          const HybridGrads g = hybrid_attention_backward(comms, on(x.dout), on(x.q), on(x.k), on(x.v), r.out, r.lse,
+                                                          hybrid_options(true));
+          EXPECT_TRUE(all_close(r.out, mine(x.out), "out " + what, kDims));
+          EXPECT_TRUE(all_close(r.lse, mine(x.lse), "lse " + what, {"b", "h", "s"}));
+          EXPECT_TRUE(all_close(g.dq, mine(x.dq), "dq " + what, kDims, testing::gradient_tolerance(dtype, x.dq)));
+          EXPECT_TRUE(all_close(g.dk, mine(x.dk), "dk " + what, kDims, testing::gradient_tolerance(dtype, x.dk)));
+          EXPECT_TRUE(all_close(g.dv, mine(x.dv), "dv " + what, kDims, testing::gradient_tolerance(dtype, x.dv)));
+        }
+      }
+    }
   });
 }
 

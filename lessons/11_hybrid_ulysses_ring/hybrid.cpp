@@ -84,9 +84,14 @@ torch::Tensor zigzag_order(int ulysses, int64_t shard, torch::Device device) {
   return torch::cat(parts).to(device);
 }
 
-/// The ring's options for the hybrid's.
-RingOptions ring_options_of(const HybridOptions& options) {
-  RingOptions ring = ring_options(options.causal, options.trace);
+/// This rank's rank in the world, r = g·P_u + u: the name of its spans in a trace.
+int world_rank(const HybridComms& comms) { return comms.ring->rank() * comms.mesh.ulysses + comms.ulysses->rank(); }
+
+/// The ring's options for the hybrid's. The ring names its trace spans by its own ranks
+/// (0 … P_r − 1), which are the world ranks only when P_u = 1; otherwise it records none, so
+/// that no span lands on another rank's row of the trace.
+RingOptions ring_options_of(const HybridOptions& options, const HybridComms& comms) {
+  RingOptions ring = ring_options(options.causal, comms.mesh.ulysses == 1 ? options.trace : nullptr);
   ring.scale = options.scale;
   return ring;
 }
@@ -98,11 +103,14 @@ HybridResult hybrid_attention_forward(const HybridComms& comms, const torch::Ten
   const int64_t kv_heads = check_hybrid_inputs(comms, q, k, v);
   Comm& group = *comms.ulysses;
   const torch::Tensor order = zigzag_order(comms.mesh.ulysses, q.size(2), q.device());
+  const RingOptions ring_opts = ring_options_of(options, comms);
+  const int rank = world_rank(comms);
   HybridResult result;
   // BEGIN YOUR CODE task 2: the forward
   // TODO(lesson 11, task 2): Ulysses in (lesson 10), tokens into the ring's zig-zag order, lesson 07's
-  // zig-zag ring over comms.ring, back out; count the bytes of both. README, "Task 2".
-  (void)kv_heads, (void)group, (void)order, (void)options;
+  // zig-zag ring over comms.ring with ring_opts, back out; count the bytes of both; trace spans under
+  // `rank`. README, "Task 2".
+  (void)kv_heads, (void)group, (void)order, (void)ring_opts, (void)rank, (void)options;
   throw NotImplemented("lesson 11, task 2: hybrid_attention_forward");
   // END YOUR CODE
   return result;
@@ -118,11 +126,14 @@ HybridGrads hybrid_attention_backward(const HybridComms& comms, const torch::Ten
            q.sizes().slice(0, 3));
   Comm& group = *comms.ulysses;
   const torch::Tensor order = zigzag_order(comms.mesh.ulysses, q.size(2), q.device());
+  const RingOptions ring_opts = ring_options_of(options, comms);
+  const int rank = world_rank(comms);
   HybridGrads grads;
   // BEGIN YOUR CODE task 3: the backward
   // TODO(lesson 11, task 3): the forward's exchanges around lesson 07's zig-zag ring backward; dk, dv of
   // replicated K/V heads summed. README, "Task 3".
-  (void)kv_heads, (void)group, (void)order, (void)options, (void)dout, (void)out, (void)lse;
+  (void)kv_heads, (void)group, (void)order, (void)ring_opts, (void)rank, (void)options, (void)dout,
+  (void)out, (void)lse;
   throw NotImplemented("lesson 11, task 3: hybrid_attention_backward");
   // END YOUR CODE
   return grads;

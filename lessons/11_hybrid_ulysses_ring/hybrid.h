@@ -53,6 +53,9 @@ UlyssesVolume hybrid_volume(int64_t batch, int64_t heads_q, int64_t heads_kv, in
 struct HybridOptions {
   bool causal = false;
   std::optional<double> scale;  ///< default 1/sqrt(D)
+  /// If set, spans are recorded under this rank's world rank g·P_u + u: "comm" for the
+  /// all-to-alls; the ring's own spans when P_u = 1 (its ranks are then the world's), one
+  /// "compute" span around the ring otherwise (its ranks 0 … P_r − 1 are not world ranks).
   Trace* trace = nullptr;
 };
 
@@ -81,11 +84,17 @@ struct HybridGrads {
 /// all-to-all's result is put in position order.
 /// @param q [B, Hq, S/P, D]; k, v [B, Hkv, S/P, D]; Hq divisible by P_u, Hkv as ulysses_kv_heads
 ///          wants for P_u ranks. P_u = 1 is lesson 07's zig-zag ring; P_r = 1 is lesson 10.
+///          Every rank passes the same shapes, dtype and device kind.
+/// CPU: float32/float64; CUDA tensors: float32/float16/bfloat16, D in {32, 64, 128} (lesson 03).
+/// Empty input (B = 0 or S = 0) gives empty results. A cp::Error names the argument for: comms not made by make_hybrid_comms, heads that
+/// do not suit P_u, S not divisible by 2P, shapes that differ across ranks.
 HybridResult hybrid_attention_forward(const HybridComms& comms, const torch::Tensor& q, const torch::Tensor& k,
                                       const torch::Tensor& v, const HybridOptions& options = {});
 
 /// Task 3. Hybrid attention backward: the forward's exchanges transposed around lesson 07's
-/// zig-zag ring backward.
+/// zig-zag ring backward; dk, dv of K/V heads replicated for the group are summed over their
+/// copies. q, k, v, out, lse are this rank's shards and the forward's results, dout the gradient
+/// of this rank's out; dtypes and errors as the forward (and dout, out, lse of the wrong shape).
 HybridGrads hybrid_attention_backward(const HybridComms& comms, const torch::Tensor& dout, const torch::Tensor& q,
                                       const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& out,
                                       const torch::Tensor& lse, const HybridOptions& options = {});

@@ -85,9 +85,14 @@ torch::Tensor zigzag_order(int ulysses, int64_t shard, torch::Device device) {
   return torch::cat(parts).to(device);
 }
 
-/// The ring's options for the hybrid's.
-RingOptions ring_options_of(const HybridOptions& options) {
-  RingOptions ring = ring_options(options.causal, options.trace);
+/// This rank's rank in the world, r = g·P_u + u: the name of its spans in a trace.
+int world_rank(const HybridComms& comms) { return comms.ring->rank() * comms.mesh.ulysses + comms.ulysses->rank(); }
+
+/// The ring's options for the hybrid's. The ring names its trace spans by its own ranks
+/// (0 … P_r − 1), which are the world ranks only when P_u = 1; otherwise it records none, so
+/// that no span lands on another rank's row of the trace.
+RingOptions ring_options_of(const HybridOptions& options, const HybridComms& comms) {
+  RingOptions ring = ring_options(options.causal, comms.mesh.ulysses == 1 ? options.trace : nullptr);
   ring.scale = options.scale;
   return ring;
 }
@@ -99,11 +104,14 @@ HybridResult hybrid_attention_forward(const HybridComms& comms, const torch::Ten
   const int64_t kv_heads = check_hybrid_inputs(comms, q, k, v);
   Comm& group = *comms.ulysses;
   const torch::Tensor order = zigzag_order(comms.mesh.ulysses, q.size(2), q.device());
+  const RingOptions ring_opts = ring_options_of(options, comms);
+  const int rank = world_rank(comms);
   HybridResult result;
   // BEGIN SOLUTION task 2: the forward
   // STUB: // TODO(lesson 11, task 2): Ulysses in (lesson 10), tokens into the ring's zig-zag order, lesson 07's
-  // STUB: // zig-zag ring over comms.ring, back out; count the bytes of both. README, "Task 2".
-  // STUB: (void)kv_heads, (void)group, (void)order, (void)options;
+  // STUB: // zig-zag ring over comms.ring with ring_opts, back out; count the bytes of both; trace spans under
+  // STUB: // `rank`. README, "Task 2".
+  // STUB: (void)kv_heads, (void)group, (void)order, (void)ring_opts, (void)rank, (void)options;
   // STUB: throw NotImplemented("lesson 11, task 2: hybrid_attention_forward");
   const int pu = group.size();
   auto to_ring = [&](const torch::Tensor& t) {  // [B, H, S/P, ...] → head-sharded, zig-zag over the ring
@@ -116,10 +124,23 @@ HybridResult hybrid_attention_forward(const HybridComms& comms, const torch::Ten
     result.stats.bytes_ulysses += all_to_all_bytes(back, pu);
     return back;
   };
-  const RingResult r = zigzag_ring_attention_forward(*comms.ring, to_ring(q), to_ring(replicate_kv_heads(k, kv_heads)),
-                                                     to_ring(replicate_kv_heads(v, kv_heads)), ring_options_of(options));
-  result.out = from_ring(r.out);
-  result.lse = from_ring(r.lse);
+  torch::Tensor q_ring, k_ring, v_ring;
+  {
+    TraceSpan span(options.trace, rank, "comm", "all-to-all q, k, v");
+    q_ring = to_ring(q);
+    k_ring = to_ring(replicate_kv_heads(k, kv_heads));
+    v_ring = to_ring(replicate_kv_heads(v, kv_heads));
+  }
+  RingResult r;
+  {
+    TraceSpan span(ring_opts.trace ? nullptr : options.trace, rank, "compute", "zig-zag ring over the groups");
+    r = zigzag_ring_attention_forward(*comms.ring, q_ring, k_ring, v_ring, ring_opts);
+  }
+  {
+    TraceSpan span(options.trace, rank, "comm", "all-to-all out, lse");
+    result.out = from_ring(r.out);
+    result.lse = from_ring(r.lse);
+  }
   result.stats.bytes_ring = r.stats.bytes_sent;
   for (const StepWork& step : r.stats.steps) result.stats.pairs += step.pairs * q.size(0);
   result.stats.pairs /= pu;  // this rank's H/P_u heads: 1/P_u of the pairs of all H heads
@@ -137,11 +158,14 @@ HybridGrads hybrid_attention_backward(const HybridComms& comms, const torch::Ten
            q.sizes().slice(0, 3));
   Comm& group = *comms.ulysses;
   const torch::Tensor order = zigzag_order(comms.mesh.ulysses, q.size(2), q.device());
+  const RingOptions ring_opts = ring_options_of(options, comms);
+  const int rank = world_rank(comms);
   HybridGrads grads;
   // BEGIN SOLUTION task 3: the backward
   // STUB: // TODO(lesson 11, task 3): the forward's exchanges around lesson 07's zig-zag ring backward; dk, dv of
   // STUB: // replicated K/V heads summed. README, "Task 3".
-  // STUB: (void)kv_heads, (void)group, (void)order, (void)options, (void)dout, (void)out, (void)lse;
+  // STUB: (void)kv_heads, (void)group, (void)order, (void)ring_opts, (void)rank, (void)options, (void)dout,
+  // STUB: (void)out, (void)lse;
   // STUB: throw NotImplemented("lesson 11, task 3: hybrid_attention_backward");
   const int pu = group.size();
   auto to_ring = [&](const torch::Tensor& t) {
@@ -154,12 +178,23 @@ HybridGrads hybrid_attention_backward(const HybridComms& comms, const torch::Ten
     grads.stats.bytes_ulysses += all_to_all_bytes(back, pu);
     return back;
   };
-  const RingGrads g = zigzag_ring_attention_backward(
-      *comms.ring, to_ring(dout), to_ring(q), to_ring(replicate_kv_heads(k, kv_heads)),
-      to_ring(replicate_kv_heads(v, kv_heads)), to_ring(out), to_ring(lse), ring_options_of(options));
-  grads.dq = from_ring(g.dq);
-  grads.dk = sum_kv_replicas(from_ring(g.dk), k.size(1));
-  grads.dv = sum_kv_replicas(from_ring(g.dv), v.size(1));
+  std::vector<torch::Tensor> in;  // dout, q, k, v, out, lse on the ring
+  {
+    TraceSpan span(options.trace, rank, "comm", "all-to-all dout, q, k, v, out, lse");
+    for (const torch::Tensor& t : {dout, q, replicate_kv_heads(k, kv_heads), replicate_kv_heads(v, kv_heads), out, lse})
+      in.push_back(to_ring(t));
+  }
+  RingGrads g;
+  {
+    TraceSpan span(ring_opts.trace ? nullptr : options.trace, rank, "compute", "zig-zag ring backward over the groups");
+    g = zigzag_ring_attention_backward(*comms.ring, in[0], in[1], in[2], in[3], in[4], in[5], ring_opts);
+  }
+  {
+    TraceSpan span(options.trace, rank, "comm", "all-to-all dq, dk, dv");
+    grads.dq = from_ring(g.dq);
+    grads.dk = sum_kv_replicas(from_ring(g.dk), k.size(1));  // a replicated head's gradient: the sum of its copies
+    grads.dv = sum_kv_replicas(from_ring(g.dv), v.size(1));
+  }
   grads.stats.bytes_ring = g.stats.bytes_sent;
   for (const StepWork& step : g.stats.steps) grads.stats.pairs += step.pairs * q.size(0);
   grads.stats.pairs /= pu;
