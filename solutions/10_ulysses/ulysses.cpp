@@ -79,12 +79,7 @@ namespace {
 /// The checks of a Ulysses call; returns the K/V heads the all-to-all moves (ulysses_kv_heads).
 int64_t check_ulysses_inputs(Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                              const UlyssesOptions& options) {
-  check_attention_inputs(q, k, v);
-  const std::string hint = detail::concat("Is S divisible by N = ", comm.size(), "?");
-  check_same_on_every_rank(comm, q, "q", hint);
-  check_same_on_every_rank(comm, k, "k", hint);
-  CP_CHECK(k.size(2) == q.size(2), "k: every rank holds S/N tokens of q, k and v; q has ", q.size(2), ", k has ",
-           k.size(2));
+  check_ring_inputs(comm, q, k, v, RingOptions{});  // lesson 04: the same shards on every rank, S/N tokens each
   layout_positions(options.layout, q.size(2) * comm.size(), comm.size(), 0);  // S fits the layout (zig-zag: 2N)
   return ulysses_kv_heads(q.size(1), k.size(1), comm.size());
 }
