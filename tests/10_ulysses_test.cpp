@@ -5,6 +5,9 @@
 #include <torch/types.h>
 
 #include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
 
 #include "common/error.h"
 #include "common/world.h"
@@ -21,15 +24,20 @@ using testing::for_each_world;
 
 const std::vector<std::string> kDims = {"b", "h", "s", "d"};
 
-/// Heads for a world of P ranks: Hq = 2P query heads, and K/V heads that are split (Hkv = P) or,
-/// for P > 1, replicated (Hkv = 1: each K/V head serves 2P query heads, copied to every rank).
+/// Heads for a world of P ranks, every way the K/V heads can reach the ranks:
+///   Hq = Hkv = P             no GQA: one query head and its K/V head per rank
+///   Hq = 2P, Hkv = P         GQA, the K/V heads split like the query heads
+///   Hq = 2P, Hkv = 2         P = 4 or 8: each K/V head replicated P/2 times
+///   Hq = 8, Hkv = 4          P = 8: each K/V head replicated twice
+///   Hq = 2P, Hkv = 1         P > 1: the one K/V head replicated on every rank (last)
 struct Heads {
   int64_t q, kv;
 };
 std::vector<Heads> heads_for(int world) {
-  std::vector<Heads> heads = {{2 * world, world}};
+  std::vector<Heads> heads = {{world, world}, {2 * world, world}};
+  if (world == 4 || world == 8) heads.push_back({2 * world, 2});
+  if (world == 8) heads.push_back({8, 4});
   if (world > 1) heads.push_back({2 * world, 1});
-  if (world == 8) heads.push_back({8, 2});  // Hkv = 2 divides P = 8: each replicated 4 times
   return heads;
 }
 
@@ -39,25 +47,56 @@ std::string where(const Comm& comm, const std::string& what) {
 
 // ── Task 1: the two all-to-alls ───────────────────────────────────────────────────────────────
 
+/// Elements labelled by where they come from: 100000·b + 1000·head + token + d/4.
+torch::Tensor labelled(int64_t batch, int64_t heads, int64_t seq, int64_t dim) {
+  return (torch::arange(batch).view({batch, 1, 1, 1}) * 100000 + torch::arange(heads).view({1, heads, 1, 1}) * 1000 +
+          torch::arange(seq).view({1, 1, seq, 1}) + torch::arange(dim).view({1, 1, 1, dim}) * 0.25)
+      .to(torch::kDouble)
+      .contiguous();
+}
+
+/// Empty when `got` equals `expected` (both labelled); else the first element that differs, as
+/// the (b, head, token) that arrived there instead of the one expected.
+std::string first_difference(const torch::Tensor& got, const torch::Tensor& expected) {
+  std::ostringstream out;
+  if (got.sizes() != expected.sizes()) {
+    out << "shape " << got.sizes() << ", expected " << expected.sizes();
+    return out.str();
+  }
+  const torch::Tensor wrong = (got != expected).flatten().nonzero().flatten();
+  if (wrong.size(0) == 0) return "";
+  auto name = [](double x) {
+    const auto l = static_cast<int64_t>(x);
+    return "(b " + std::to_string(l / 100000) + ", head " + std::to_string(l % 100000 / 1000) + ", token " +
+           std::to_string(l % 1000) + ")";
+  };
+  const int64_t first = wrong[0].item<int64_t>();
+  std::vector<int64_t> index(got.dim());
+  for (int64_t d = got.dim() - 1, rest = first; d >= 0; --d) index[d] = rest % got.size(d), rest /= got.size(d);
+  out << wrong.size(0) << " of " << got.numel() << " elements differ; first at " << torch::IntArrayRef(index)
+      << ": got " << name(got.flatten()[first].item<double>()) << ", expected "
+      << name(expected.flatten()[first].item<double>());
+  return out.str();
+}
+
 CP_TEST(Lesson10, Task1_SeqToHeadsGivesThisRanksHeadsOfTheWholeSequence) {
   for_each_world([](Comm& comm) {
-    const int p = comm.size();
+    const int p = comm.size(), r = comm.rank();
     const int64_t chunk = 5, heads = 2 * p;
-    // Every element says where it comes from: 1000·head + token, 0.5 apart in d.
-    const torch::Tensor full = (torch::arange(heads).view({1, heads, 1, 1}) * 1000 +
-                                torch::arange(chunk * p).view({1, 1, chunk * p, 1}) + torch::arange(3).view({1, 1, 1, 3}) * 0.5)
-                                   .expand({2, heads, chunk * p, 3})
-                                   .to(torch::kDouble)
-                                   .contiguous();
-    const torch::Tensor mine = full.narrow(2, comm.rank() * chunk, chunk).contiguous();
-    const torch::Tensor by_heads = ulysses_seq_to_heads(comm, mine);
-    const torch::Tensor expected = full.narrow(1, comm.rank() * heads / p, heads / p);
-    EXPECT_TRUE(torch::equal(by_heads, expected)) << where(comm, "seq_to_heads") << ": got shape " << by_heads.sizes()
-                                                  << ", expected " << expected.sizes();
-    EXPECT_TRUE(torch::equal(ulysses_heads_to_seq(comm, by_heads), mine)) << where(comm, "heads_to_seq undoes it");
+    const torch::Tensor full = labelled(2, heads, chunk * p, 3);  // the unsharded tensor
+    const torch::Tensor mine = full.narrow(2, r * chunk, chunk).contiguous();
+    const torch::Tensor expected = full.narrow(1, r * heads / p, heads / p).contiguous();
+    EXPECT_EQ(first_difference(ulysses_seq_to_heads(comm, mine), expected), "")
+        << where(comm, "seq_to_heads: heads [" + std::to_string(r * heads / p) + ", " +
+                           std::to_string((r + 1) * heads / p) + ") of the whole sequence");
+    EXPECT_EQ(first_difference(ulysses_heads_to_seq(comm, expected), mine), "")
+        << where(comm, "heads_to_seq: tokens [" + std::to_string(r * chunk) + ", " + std::to_string((r + 1) * chunk) +
+                           ") of every head");
+    EXPECT_EQ(first_difference(ulysses_heads_to_seq(comm, ulysses_seq_to_heads(comm, mine)), mine), "")
+        << where(comm, "heads_to_seq(seq_to_heads(x)) = x");
     // lse-shaped tensors [B, H, S/P] take the same path.
-    const torch::Tensor lse = mine.select(3, 0).contiguous();
-    EXPECT_TRUE(torch::equal(ulysses_seq_to_heads(comm, lse), expected.select(3, 0))) << where(comm, "3-D tensor");
+    EXPECT_EQ(first_difference(ulysses_seq_to_heads(comm, mine.select(3, 0).contiguous()), expected.select(3, 0)), "")
+        << where(comm, "seq_to_heads of a 3-D tensor");
   });
 }
 
@@ -69,39 +108,57 @@ struct Case {
   TokenLayout layout;
 };
 
-void check_case(Comm& comm, const Case& c, const Heads& h, uint64_t seed) {
+/// What check_case runs: the forward, the backward (from the reference's out and lse, so that it
+/// does not depend on the forward), or the backward from the forward's results.
+enum class Pass { Forward, Backward, Both };
+
+/// One case on every rank: the shards of a random sequence (in `dtype`, on `device`) through the
+/// forward and/or the backward, every output against float64 attention over the whole sequence in
+/// position order, and the bytes sent against ulysses_volume.
+void check_case(Comm& comm, const Case& c, const Heads& h, uint64_t seed, Pass pass,
+                torch::Dtype dtype = torch::kFloat, torch::Device device = torch::kCPU) {
   const int p = comm.size();
   const int64_t s = c.chunk * p;
   torch::Generator gen = at::detail::createCPUGenerator(seed);
-  const torch::Tensor q = torch::randn({c.batch, h.q, s, c.head_dim}, gen),
-                      k = torch::randn({c.batch, h.kv, s, c.head_dim}, gen),
-                      v = torch::randn({c.batch, h.kv, s, c.head_dim}, gen),
-                      dout = torch::randn({c.batch, h.q, s, c.head_dim}, gen);
+  const torch::Tensor q = torch::randn({c.batch, h.q, s, c.head_dim}, gen).to(dtype),
+                      k = torch::randn({c.batch, h.kv, s, c.head_dim}, gen).to(dtype),
+                      v = torch::randn({c.batch, h.kv, s, c.head_dim}, gen).to(dtype),
+                      dout = torch::randn({c.batch, h.q, s, c.head_dim}, gen).to(dtype);
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
   const torch::Tensor pos = torch::arange(s);
   const auto [out, lse] = testing::oracle_attention(q, k, v, c.causal, pos, pos, scale);
-  const auto [dq, dk, dv] = testing::oracle_attention_grads(q, k, v, dout, c.causal, pos, pos, scale);
   auto mine = [&](const torch::Tensor& t) { return shard_sequence(t, c.layout, p, comm.rank()).contiguous(); };
+  auto in = [&](const torch::Tensor& t) { return mine(t).to(device); };
   const UlyssesOptions options = ulysses_options(c.causal, c.layout);
-  const UlyssesResult r = ulysses_attention_forward(comm, mine(q), mine(k), mine(v), options);
+  const UlyssesVolume volume = ulysses_volume(c.batch, h.q, h.kv, s, c.head_dim, p, q.element_size());
   const std::string what = where(comm, to_string(c.layout) + (c.causal ? " causal" : " full") + ", Hq " +
-                                           std::to_string(h.q) + " Hkv " + std::to_string(h.kv));
-  EXPECT_TRUE(all_close(r.out, mine(out), "out " + what, kDims));
-  EXPECT_TRUE(all_close(r.lse, mine(lse), "lse " + what, {"b", "h", "s"}));
-  const UlyssesGrads g = ulysses_attention_backward(comm, mine(dout), mine(q), mine(k), mine(v), r.out, r.lse, options);
-  EXPECT_TRUE(all_close(g.dq, mine(dq), "dq " + what, kDims, testing::gradient_tolerance(torch::kFloat, dq)));
-  EXPECT_TRUE(all_close(g.dk, mine(dk), "dk " + what, kDims, testing::gradient_tolerance(torch::kFloat, dk)));
-  EXPECT_TRUE(all_close(g.dv, mine(dv), "dv " + what, kDims, testing::gradient_tolerance(torch::kFloat, dv)));
-  const UlyssesVolume volume = ulysses_volume(c.batch, h.q, h.kv, s, c.head_dim, p, sizeof(float));
-  EXPECT_EQ(r.stats.bytes_sent, volume.forward_bytes) << "forward bytes, " << what;
+                                           std::to_string(h.q) + " Hkv " + std::to_string(h.kv) + ", " +
+                                           c10::toString(dtype) + (device.is_cuda() ? " cuda" : ""));
+  torch::Tensor my_out = in(out.to(dtype)), my_lse = in(lse.to(torch::kFloat));
+  if (pass != Pass::Backward) {
+    const UlyssesResult r = ulysses_attention_forward(comm, in(q), in(k), in(v), options);
+    EXPECT_EQ(r.out.scalar_type(), dtype) << what;
+    EXPECT_TRUE(all_close(r.out, mine(out), "out " + what, kDims));
+    EXPECT_TRUE(all_close(r.lse, mine(lse), "lse " + what, {"b", "h", "s"}));
+    EXPECT_EQ(r.stats.bytes_sent, volume.forward_bytes) << "forward bytes, " << what;
+    my_out = r.out, my_lse = r.lse;
+  }
+  if (pass == Pass::Forward) return;
+  const auto [dq, dk, dv] = testing::oracle_attention_grads(q, k, v, dout, c.causal, pos, pos, scale);
+  const UlyssesGrads g = ulysses_attention_backward(comm, in(dout), in(q), in(k), in(v), my_out, my_lse, options);
+  EXPECT_TRUE(all_close(g.dq, mine(dq), "dq " + what, kDims, testing::gradient_tolerance(dtype, dq)));
+  EXPECT_TRUE(all_close(g.dk, mine(dk), "dk " + what, kDims, testing::gradient_tolerance(dtype, dk)));
+  EXPECT_TRUE(all_close(g.dv, mine(dv), "dv " + what, kDims, testing::gradient_tolerance(dtype, dv)));
+  EXPECT_EQ(g.dk.scalar_type(), dtype) << what;
   EXPECT_EQ(g.stats.bytes_sent, volume.backward_bytes) << "backward bytes, " << what;
 }
 
-CP_TEST(Lesson10, Task2_ForwardAndTask3_BackwardMatchFullAttention) {
+CP_TEST(Lesson10, Task2_ForwardMatchesFullAttention) {
   for_each_world([](Comm& comm) {
     uint64_t seed = 100;
     for (const Heads& h : heads_for(comm.size()))
-      for (bool causal : {false, true}) check_case(comm, {2, 13, 32, causal, TokenLayout::Contiguous}, h, seed++);
+      for (bool causal : {false, true})
+        check_case(comm, {2, 13, 32, causal, TokenLayout::Contiguous}, h, seed++, Pass::Forward);
   });
 }
 
@@ -110,7 +167,19 @@ CP_TEST(Lesson10, Task2_CausalMaskFromGlobalPositionsForEveryLayout) {
     const Heads h = heads_for(comm.size()).back();  // replicated K/V heads where P > 1
     uint64_t seed = 200;
     for (TokenLayout layout : {TokenLayout::ZigZag, TokenLayout::Stripe})
-      check_case(comm, {1, 6, 64, true, layout}, h, seed++);  // S = 6P: 2P zig-zag chunks of 3 tokens
+      check_case(comm, {1, 6, 64, true, layout}, h, seed++, Pass::Forward);  // S = 6P: 2P zig-zag chunks of 3
+  });
+}
+
+CP_TEST(Lesson10, Task3_BackwardMatchesFullAttentionForEveryLayout) {
+  for_each_world([](Comm& comm) {
+    uint64_t seed = 100;  // the inputs of the forward tests
+    for (const Heads& h : heads_for(comm.size()))
+      for (bool causal : {false, true})
+        check_case(comm, {2, 13, 32, causal, TokenLayout::Contiguous}, h, seed++, Pass::Backward);
+    seed = 200;
+    for (TokenLayout layout : {TokenLayout::ZigZag, TokenLayout::Stripe})
+      check_case(comm, {1, 6, 64, true, layout}, heads_for(comm.size()).back(), seed++, Pass::Backward);
   });
 }
 
@@ -129,6 +198,24 @@ CP_TEST(Lesson10, Task2_VolumeFormulaIsZeroOnOneRankAndFollowsP) {
   EXPECT_EQ(four.backward_bytes, 8 * tensor + lse);
   EXPECT_EQ(ulysses_kv_heads(8, 2, 4), 4);  // replicated twice
   EXPECT_EQ(ulysses_kv_heads(8, 8, 4), 8);
+}
+
+CP_TEST(Lesson10, Task2_TraceRecordsTheExchangesAndTheAttention) {
+  Trace trace;
+  run_local_world(3, [&](Comm& comm) {
+    const torch::Tensor t = torch::ones({1, 3, 4, 32});
+    ulysses_attention_forward(comm, t, t, t, ulysses_options(true, TokenLayout::Contiguous, &trace));
+  });
+  // One file per process: under mpirun every rank runs this test.
+  const std::string path =
+      ::testing::TempDir() + "lesson10_trace_rank" + std::to_string(testing::process_rank()) + ".json";
+  trace.write(path);
+  std::stringstream text;
+  text << std::ifstream(path).rdbuf();
+  std::remove(path.c_str());
+  EXPECT_NE(text.str().find("\"cat\": \"compute\""), std::string::npos) << text.str();
+  EXPECT_NE(text.str().find("\"cat\": \"comm\""), std::string::npos) << text.str();
+  EXPECT_NE(text.str().find("\"name\": \"rank 2\""), std::string::npos) << text.str();
 }
 
 CP_TEST(Lesson10, Task3_EmptyInputGivesEmptyResults) {
@@ -168,7 +255,7 @@ CP_TEST(Lesson10, Task2_BadInputGivesClearErrors) {
   testing::expect_errors({
       {"Hq = 6 over 4 ranks", on_4_ranks(forward(6, 6, 4)), "query heads Hq = 6 must be divisible by the 4 ranks"},
       {"Hkv = 3 over 4 ranks", on_4_ranks(forward(12, 3, 4)), "Hkv = 3 must be divisible by the 4 ranks, or divide it"},
-      {"Hq = 8 not divisible by Hkv = 3", on_4_ranks(forward(8, 3, 4)), "divisible by"},
+      {"Hq = 8 not divisible by Hkv = 3", on_4_ranks(forward(8, 3, 4)), "H_q (8) must be divisible by H_kv (3)"},
       {"zig-zag with S = 4·3, not divisible by 2·4", on_4_ranks(forward(4, 4, 3, TokenLayout::ZigZag)), "S = 12 is not divisible by 2N = 8"},
       {"rank 2 holds 5 tokens", on_4_ranks([](Comm& comm) {
          const torch::Tensor t = torch::zeros({1, 4, comm.rank() == 2 ? 5 : 4, 32});
@@ -181,6 +268,18 @@ CP_TEST(Lesson10, Task2_BadInputGivesClearErrors) {
       {"seq_to_heads of 3 heads over 4 ranks", on_4_ranks([](Comm& comm) {
          ulysses_seq_to_heads(comm, torch::zeros({1, 3, 2}));
        }), "head count 3 (dim 1) must be divisible by the 4 ranks"},
+  });
+}
+
+CP_TEST(Lesson10Cuda, Task3_ForwardAndBackwardOnCudaForEveryDtype) {
+  // Every output in float32, float16 and bfloat16, D = 32 and 128, zig-zag chunks of 40 tokens
+  // (not a multiple of the kernels' 64-row blocks), K/V heads replicated where P > 1.
+  CP_REQUIRE_GPU();
+  for_each_world([](Comm& comm) {
+    const Heads h = heads_for(comm.size()).back();
+    uint64_t seed = 300;
+    for (torch::Dtype dtype : {torch::kFloat, torch::kHalf, torch::kBFloat16})
+      for (int64_t d : {32, 128}) check_case(comm, {1, 40, d, true, TokenLayout::ZigZag}, h, seed++, Pass::Both, dtype, torch::kCUDA);
   });
 }
 
