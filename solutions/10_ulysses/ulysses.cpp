@@ -77,10 +77,9 @@ UlyssesVolume ulysses_volume(int64_t batch, int64_t heads_q, int64_t heads_kv, i
 namespace {
 
 /// The checks of a Ulysses call; returns the K/V heads the all-to-all moves (ulysses_kv_heads).
-int64_t check_ulysses_inputs(Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                             const UlyssesOptions& options) {
+/// Whether S fits the layout (zig-zag: 2N) is checked by gathered_positions, before any exchange.
+int64_t check_ulysses_inputs(Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
   check_ring_inputs(comm, q, k, v, RingOptions{});  // lesson 04: the same shards on every rank, S/N tokens each
-  layout_positions(options.layout, q.size(2) * comm.size(), comm.size(), 0);  // S fits the layout (zig-zag: 2N)
   return ulysses_kv_heads(q.size(1), k.size(1), comm.size());
 }
 
@@ -111,7 +110,7 @@ int64_t all_to_all_bytes(const torch::Tensor& t, int world) {
 
 UlyssesResult ulysses_attention_forward(Comm& comm, const torch::Tensor& q, const torch::Tensor& k,
                                         const torch::Tensor& v, const UlyssesOptions& options) {
-  const int64_t kv_heads = check_ulysses_inputs(comm, q, k, v, options);
+  const int64_t kv_heads = check_ulysses_inputs(comm, q, k, v);
   const int rank = comm.rank(), p = comm.size();
   const torch::Tensor pos = gathered_positions(options, q.size(2), p, q.device());
   UlyssesResult result;
@@ -146,7 +145,7 @@ UlyssesResult ulysses_attention_forward(Comm& comm, const torch::Tensor& q, cons
 UlyssesGrads ulysses_attention_backward(Comm& comm, const torch::Tensor& dout, const torch::Tensor& q,
                                         const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& out,
                                         const torch::Tensor& lse, const UlyssesOptions& options) {
-  const int64_t kv_heads = check_ulysses_inputs(comm, q, k, v, options);
+  const int64_t kv_heads = check_ulysses_inputs(comm, q, k, v);
   CP_CHECK(dout.defined() && out.defined() && dout.sizes() == q.sizes() && out.sizes() == q.sizes(),
            "dout, out: expected the shape of q ", q.sizes());
   CP_CHECK(lse.defined() && lse.dim() == 3 && lse.sizes() == q.sizes().slice(0, 3),
