@@ -65,6 +65,13 @@ if(CP_CUDA_BACKEND STREQUAL "nvcc")
   set(CMAKE_CUDA_ARCHITECTURES ${CP_CUDA_ARCHS})
   set(CMAKE_CUDA_STANDARD 17)
   enable_language(CUDA)
+  # nvcc compiles the host side of the .cu files with a GCC it supports, which may be older than
+  # the C++ compiler (Debian 13: nvcc 12.4 takes g++-13, g++ is 14). Executables with kernels are
+  # linked by the C++ compiler, but CMake also passes it nvcc's implicit link folders, among them
+  # the older GCC's own (/usr/lib/gcc/<triple>/13), whose libstdc++ then comes first and lacks
+  # what the newer GCC's objects and Debian's libraries need (__cxa_call_terminate@CXXABI_1.3.15).
+  # The C++ compiler brings its own GCC folder; the newer libstdc++ serves the older objects too.
+  list(FILTER CMAKE_CUDA_IMPLICIT_LINK_DIRECTORIES EXCLUDE REGEX "/gcc/[^/]+/[^/]+/?$")
   find_package(CUDAToolkit REQUIRED)
   target_link_libraries(cp_cuda_runtime INTERFACE CUDA::cudart)
   set(CP_CUDA_TEST_LABEL cuda)

@@ -14,14 +14,15 @@ endfunction()
 # Registers the test program `exe` in CTest as <name>_local (in-process, world sizes
 # 1, 2, 3, 4, 8 on the local backend) and <name>_mpi<N> for each N in MPI_RANKS (under mpirun,
 # on the mpi backend). With a CUDA LibTorch the CUDA-tensor suites (names ending in "Cuda") get
-# an entry of their own labelled `cuda`; without one they run inside the CPU entry and skip with
-# the reason. KERNELS: the program has kernel suites (names ending in "Kernels", launch_* on
+# entries of their own labelled `cuda`, <name>_cuda_local and <name>_cuda_mpi<N>; without one
+# they run inside the CPU entry and skip with the reason. (The nccl backend needs a GPU per rank:
+# tools/gpu-check runs it.) KERNELS: the program has kernel suites (names ending in "Kernels", launch_* on
 # device buffers); with CUDA they get the entry <name>_kernels_<label>, labelled cuda (nvcc) or
 # cuda-cpu (CUDA on the CPU); with CUDA on the CPU the solution's entry fails if a kernel test
 # skipped or none ran (the device always exists there): a kernel that did not run is unverified.
 function(course_register_tests exe name)
   cmake_parse_arguments(ARG "KERNELS" "" "LABELS;MPI_RANKS" ${ARGN})
-  set(env "GTEST_COLOR=no;OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;OMPI_MCA_rmaps_base_oversubscribe=1")
+  set(env "GTEST_COLOR=no;OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1")
   set(own_entries "")
   if(CP_TORCH_CUDA)
     list(APPEND own_entries "*Cuda.*")
@@ -60,11 +61,17 @@ function(course_register_tests exe name)
   if(CP_WITH_MPI)
     foreach(np IN LISTS ARG_MPI_RANKS)
       add_test(NAME ${name}_mpi${np}
-        COMMAND ${MPIEXEC_EXECUTABLE} ${MPIEXEC_NUMPROC_FLAG} ${np} ${MPIEXEC_PREFLAGS} $<TARGET_FILE:${exe}> ${cpu_filter})
+        COMMAND ${MPIEXEC_EXECUTABLE} ${MPIEXEC_NUMPROC_FLAG} ${np} ${CP_MPIEXEC_FLAGS} $<TARGET_FILE:${exe}> ${cpu_filter})
       # One mpirun job at a time (ctest -j runs the rest beside it): the ranks of two jobs would
       # share the cores with each other's busy-polling as well.
       set_tests_properties(${name}_mpi${np} PROPERTIES LABELS "${ARG_LABELS};mpi;cpu" TIMEOUT ${CP_TEST_TIMEOUT} ENVIRONMENT "${env}"
                            RESOURCE_LOCK mpirun)
+      if(CP_TORCH_CUDA)  # the CUDA-tensor suites on the mpi backend (staged through host memory)
+        add_test(NAME ${name}_cuda_mpi${np}
+          COMMAND ${MPIEXEC_EXECUTABLE} ${MPIEXEC_NUMPROC_FLAG} ${np} ${CP_MPIEXEC_FLAGS} $<TARGET_FILE:${exe}> "--gtest_filter=*Cuda.*")
+        set_tests_properties(${name}_cuda_mpi${np} PROPERTIES LABELS "${ARG_LABELS};mpi;cuda" TIMEOUT ${CP_TEST_TIMEOUT}
+                             ENVIRONMENT "${env}" RESOURCE_LOCK mpirun)
+      endif()
     endforeach()
   endif()
 endfunction()

@@ -8,11 +8,23 @@
 
 namespace cp {
 
+namespace {
+// The type of the two running totals c10 passes to reportMemoryUsage: int64_t in LibTorch 1.x,
+// size_t in 2.x. An override must repeat the base's signature exactly, so the type is read from
+// the base class itself rather than from a version number.
+template <class> struct ReportTotals;
+template <class Base, class Total>
+struct ReportTotals<void (Base::*)(void*, int64_t, Total, Total, c10::Device)> {
+  using type = Total;
+};
+using ReportTotal = ReportTotals<decltype(&c10::MemoryReportingInfoBase::reportMemoryUsage)>::type;
+}  // namespace
+
 struct MemoryMeter::Listener : c10::MemoryReportingInfoBase {
   // The outer listener (an enclosing meter or the profiler) outlives this one: scopes nest.
   explicit Listener(c10::DebugInfoBase* outer) : outer(dynamic_cast<c10::MemoryReportingInfoBase*>(outer)) {}
 
-  void reportMemoryUsage(void* ptr, int64_t bytes, int64_t total_allocated, int64_t total_reserved,
+  void reportMemoryUsage(void* ptr, int64_t bytes, ReportTotal total_allocated, ReportTotal total_reserved,
                          c10::Device device) override {
     if (bytes > 0) {
       live[ptr] = bytes;

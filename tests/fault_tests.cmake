@@ -26,7 +26,7 @@ function(course_fault_test entry)
     set(scenario ${ARG_SCENARIO})
   endif()
   # Lists travel through add_test as one argument each: ';' becomes $<SEMICOLON>.
-  set(command ${MPIEXEC_EXECUTABLE} ${MPIEXEC_NUMPROC_FLAG} ${ARG_NP} ${MPIEXEC_PREFLAGS} $<TARGET_FILE:fault_test> ${scenario})
+  set(command ${MPIEXEC_EXECUTABLE} ${MPIEXEC_NUMPROC_FLAG} ${ARG_NP} ${CP_MPIEXEC_FLAGS} $<TARGET_FILE:fault_test> ${scenario})
   foreach(var command ARG_REQUIRE ARG_FORBID)
     string(REPLACE ";" "$<SEMICOLON>" ${var} "${${var}}")
   endforeach()
@@ -36,7 +36,7 @@ function(course_fault_test entry)
   math(EXPR ctest_limit "${ARG_SECONDS} + 30")
   # RUN_SERIAL: the scenarios time their ends in seconds; nothing else runs beside them.
   set_tests_properties(fault_${entry} PROPERTIES LABELS "runtime;solution;fault;mpi;cpu" TIMEOUT ${ctest_limit} RUN_SERIAL ON
-    ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;OMPI_MCA_rmaps_base_oversubscribe=1;CP_MPI_TIMEOUT_S=3;MPIEXEC_TIMEOUT=${ARG_SECONDS}")
+    ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;CP_MPI_TIMEOUT_S=3;MPIEXEC_TIMEOUT=${ARG_SECONDS}")
 endfunction()
 
 set(abort "aborting the world \\(MPI_Abort\\)")

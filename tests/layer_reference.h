@@ -91,7 +91,10 @@ inline void expect_training_step_matches_one_device(Comm& comm, const Strategy& 
   comm.all_reduce(loss, ReduceOp::Sum);
   EXPECT_NEAR(loss.item<double>() / n, ref.loss.item<double>(), 1e-5 * (1 + std::abs(ref.loss.item<double>())))
       << "loss, " << what;
-  EXPECT_TRUE(all_close(y, mine(ref.y), "y " + what, {"b", "s", "e"}));
+  // An element of y is a sum over E terms of both signs (o_proj of the attention output), so, as
+  // for a gradient, its rounding follows the size of the terms, not of the element (with LibTorch
+  // 2.6, E = 512: an error of 1.7e-6 on an element of 0.026, past the elementwise 1.3e-6).
+  EXPECT_TRUE(all_close(y, mine(ref.y), "y " + what, {"b", "s", "e"}, gradient_tolerance(torch::kFloat, ref.y)));
   const std::vector<std::pair<torch::nn::Linear*, std::pair<torch::Tensor, torch::Tensor>>> params = {
       {&layer->q_proj, {ref.grads.wq, ref.updated.wq}}, {&layer->k_proj, {ref.grads.wk, ref.updated.wk}},
       {&layer->v_proj, {ref.grads.wv, ref.updated.wv}}, {&layer->o_proj, {ref.grads.wo, ref.updated.wo}}};
