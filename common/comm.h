@@ -96,10 +96,18 @@ class Comm {
   /// can be used concurrently; every rank must call split() on a Comm in the same order.
   virtual std::shared_ptr<Comm> split(int color, int key) = 0;
 
+  /// Expires when this Comm is destroyed. A cache of what was made from a Comm (lesson 11's
+  /// hybrid_strategy keeps the communicators it split off) keys on it, not on the Comm's address:
+  /// a Comm made later at the same address (the next world's rank) must not find the old entry.
+  std::weak_ptr<const void> lifetime() const { return lifetime_; }
+
  protected:
   /// Checks a peer index and a P2P buffer; `what` names the calling function in the message.
   void check_peer(int peer, const char* what) const;
   static void check_buffer(const torch::Tensor& tensor, const char* what);
+
+ private:
+  std::shared_ptr<const void> lifetime_ = std::make_shared<char>();  // see lifetime()
 };
 
 }  // namespace cp

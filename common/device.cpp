@@ -56,6 +56,14 @@ void wait_for_device_work(const torch::Tensor& t) {
 #endif
 }
 
+torch::Device current_cuda_device() {
+#if CP_TORCH_CUDA
+  return {torch::kCUDA, c10::cuda::current_device()};
+#else
+  CP_FAIL("a CUDA tensor cannot exist with a CPU-only LibTorch");
+#endif
+}
+
 std::string cuda_runtime_unavailable_reason() {
 #if !CP_WITH_CUDA
   return "this build has no CUDA. To run the kernels without a GPU, get CUDA on the CPU: `make setup` "
@@ -87,6 +95,15 @@ cudaStream_t current_cuda_stream() {
 #if CP_TORCH_CUDA
   return c10::cuda::getCurrentCUDAStream().stream();
 #else
+  CP_FAIL("a CUDA tensor cannot exist with a CPU-only LibTorch");
+#endif
+}
+
+void record_stream_use(const torch::Tensor& t, cudaStream_t stream, c10::Device stream_device) {
+#if CP_TORCH_CUDA
+  t.record_stream(c10::cuda::getStreamFromExternal(stream, stream_device.index()));
+#else
+  (void)t, (void)stream, (void)stream_device;
   CP_FAIL("a CUDA tensor cannot exist with a CPU-only LibTorch");
 #endif
 }

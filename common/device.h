@@ -29,6 +29,11 @@ void run_backward_on_this_thread();
 /// timed block so that per-step times and trace spans cover the GPU's work, not its launch.
 void wait_for_device_work(const torch::Tensor& t);
 
+/// The calling thread's current CUDA device, with its index (what torch::kCUDA without an index
+/// means): the GPU an mpi or nccl world gave this process (one per process while the node has
+/// enough), cuda:0 in the rank threads of a local world. A cp::Error without CUDA tensors.
+torch::Device current_cuda_device();
+
 /// Why kernels cannot be launched on raw device buffers (cudaMalloc) here, or "" when they can:
 /// a GPU with nvcc's runtime, or CUDA on the CPU (chipStar + PoCL).
 std::string cuda_runtime_unavailable_reason();
@@ -37,6 +42,14 @@ std::string cuda_runtime_unavailable_reason();
 /// The stream LibTorch's next operation on the current device runs on: kernels are launched
 /// on it so that they are ordered with the tensor operations around them.
 cudaStream_t current_cuda_stream();
+
+/// Tells LibTorch's caching allocator that work queued on `stream` (created outside LibTorch, on
+/// `stream_device`) uses t's memory: when t is freed, the memory goes to no other tensor before
+/// the work queued on `stream` by then has finished (Tensor::record_stream). The comm backends
+/// call it for the buffers of their transfers, so that a Request destroyed without wait() (its
+/// owner threw) frees no memory that a copy still reads or writes, and no host thread waits for
+/// a transfer that may never complete.
+void record_stream_use(const torch::Tensor& t, cudaStream_t stream, c10::Device stream_device);
 
 /// For the scope: the GPU of a CUDA tensor becomes the thread's current device (kernels launch
 /// on the current device, and a rank thread starts on device 0 whatever its tensors' device),

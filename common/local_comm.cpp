@@ -100,6 +100,12 @@ class CopyStream {
     for (const Fence* f : {&src_ready, &dst_ready})
       if (f->event) CUDA_CHECK(cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(f->event.get()), 0));
     CUDA_CHECK(cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), bytes, cudaMemcpyDefault, stream));
+    // Neither buffer may go to another tensor before the copy is done, whenever its rank frees
+    // it: a batch destroyed without wait() (its rank threw) drops its tensors at once, and so
+    // does the world for a send whose batch is gone by the time it is matched. The allocator
+    // then waits for this stream; no host thread waits.
+    record_stream_use(dst, stream, dst.device());
+    record_stream_use(src, stream, dst.device());
     cudaEvent_t done;
     CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
     CUDA_CHECK(cudaEventRecord(done, stream));

@@ -37,8 +37,8 @@ MPI_Datatype reduction_type(const torch::Tensor& t) {
     case torch::kLong: return MPI_INT64_T;
     case torch::kByte: return MPI_UINT8_T;
     default:
-      CP_FAIL("mpi backend: reductions support float32, float64, int32, int64 and uint8, got ",
-              t.dtype(), " (MPI has no half-precision type); reduce in float32 instead");
+      CP_FAIL("mpi backend: reductions support float16, bfloat16, float32, float64, int32, int64 and uint8, got ",
+              t.dtype());
   }
 }
 
@@ -55,6 +55,15 @@ torch::Tensor host_view(const torch::Tensor& t, bool copy_contents) {
   torch::Tensor host = torch::empty(t.sizes(), options);
   if (copy_contents) host.copy_(t);  // synchronises with the current stream
   return host;
+}
+
+/// The host tensor MPI reduces for `t`. MPI has no standard float16 or bfloat16 type, so these
+/// are reduced as a float32 copy that the caller converts back: a sum then rounds to t's dtype
+/// once, not once per rank (a max is exact either way). Other dtypes: host_view(t, true).
+torch::Tensor reducible(const torch::Tensor& t) {
+  if (t.scalar_type() == torch::kHalf || t.scalar_type() == torch::kBFloat16)
+    return t.to(torch::TensorOptions().device(torch::kCPU).dtype(torch::kFloat));
+  return host_view(t, true);
 }
 
 using Clock = std::chrono::steady_clock;
@@ -321,22 +330,22 @@ class MpiComm : public Comm {
     check_same_on_every_rank(*this, tensor, "reduce_scatter");
     CP_CHECK(tensor.dim() >= 1 && tensor.size(0) % size_ == 0,
              "reduce_scatter: dim 0 must be divisible by the world size ", size_, ", got shape ", tensor.sizes());
-    const torch::Tensor host = host_view(tensor, true);
+    const torch::Tensor host = reducible(tensor);
     std::vector<int64_t> shape = tensor.sizes().vec();
     shape[0] /= size_;
     torch::Tensor part = torch::empty(shape, host.options().pinned_memory(false));
     MPI_CHECK(MPI_Reduce_scatter_block(host.data_ptr(), part.data_ptr(), static_cast<int>(part.numel()),
-                                       reduction_type(tensor), MPI_SUM, comm_));
-    return part.to(tensor.device());
+                                       reduction_type(host), MPI_SUM, comm_));
+    return part.to(tensor.device(), tensor.scalar_type());
   }
 
   void all_reduce(torch::Tensor& tensor, ReduceOp op) override {
     check_buffer(tensor, "all_reduce");
     check_same_on_every_rank(*this, tensor, "all_reduce");
-    torch::Tensor host = host_view(tensor, true);
-    MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, host.data_ptr(), static_cast<int>(host.numel()), reduction_type(tensor),
+    torch::Tensor host = reducible(tensor);
+    MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, host.data_ptr(), static_cast<int>(host.numel()), reduction_type(host),
                             op == ReduceOp::Sum ? MPI_SUM : MPI_MAX, comm_));
-    if (host.data_ptr() != tensor.data_ptr()) tensor.copy_(host);
+    if (host.data_ptr() != tensor.data_ptr()) tensor.copy_(host);  // back to the tensor's device and dtype
   }
 
   void broadcast(torch::Tensor& tensor, int root) override {
@@ -369,6 +378,9 @@ class MpiComm : public Comm {
     return std::make_shared<MpiComm>(session_, part);
   }
 
+  /// Makes this process's GPU current (detail::use_node_gpu; collective).
+  void use_node_gpu() { detail::use_node_gpu(comm_); }
+
  private:
   /// Polls one request of a blocking call until it completes (the watchdog runs meanwhile).
   template <typename What>
@@ -399,6 +411,10 @@ std::shared_ptr<Comm> mpi_world() {
   std::shared_ptr<detail::MpiSession> session = detail::MpiSession::get();  // MPI_Init, before duplicate_world
   auto comm = std::make_shared<MpiComm>(session, detail::duplicate_world());
   set_this_rank(comm->rank());
+  // A GPU per process, as nccl_world picks it, so that a rank's CUDA tensors (torch::kCUDA: the
+  // current device) are not all on cuda:0. Processes share GPUs when a node has fewer, which the
+  // mpi backend allows: it stages device tensors through host memory.
+  if (cuda_unavailable_reason().empty()) comm->use_node_gpu();
   return comm;
 }
 

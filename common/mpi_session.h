@@ -41,4 +41,11 @@ class MpiSession {
 /// of aborting inside MPI.
 MPI_Comm duplicate_world();
 
+/// Makes this process's GPU the current device and returns its index: the process's rank among
+/// the processes of `comm` on its node (MPI_COMM_TYPE_SHARED, in the order of their ranks in
+/// comm), modulo the GPUs it sees. Without it every process of an mpirun world would work on
+/// cuda:0; with it each has its own GPU while the node has as many as it runs processes. The mpi
+/// and nccl worlds call it; collective over comm. A cp::Error when no GPU is visible.
+int use_node_gpu(MPI_Comm comm);
+
 }  // namespace cp::detail

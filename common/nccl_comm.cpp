@@ -1,9 +1,13 @@
 // The `nccl` backend: one GPU per process, bootstrapped over MPI (rank 0 creates the
 // ncclUniqueId and MPI_Bcast gives it to the others).
 //
-// Collectives run on the caller's current stream. A batch started with start() runs on a
-// separate communication stream ordered after the caller's current work, so that the caller
-// can compute while it is in flight; Request::wait() orders the caller's stream after it.
+// Collectives run on the current LibTorch stream of the communicator's GPU: the stream the
+// caller's work on this rank's tensors runs on. Every call makes that GPU current for its
+// duration (CudaDeviceScope), since the calling thread may have another device current, and a
+// stream, an event or a kernel of one device cannot be used with another. A batch started with
+// start() runs on a separate communication stream of that GPU, ordered after the caller's
+// current work, so that the caller can compute while it is in flight; Request::wait() orders
+// the caller's stream after it.
 #include <nccl.h>
 #include <torch/types.h>
 #include <unistd.h>
@@ -51,15 +55,21 @@ std::shared_ptr<CUevent_st> record(cudaStream_t stream) {
   return {event, [](cudaEvent_t e) { cudaEventDestroy(e); }};
 }
 
+/// A batch in flight. It holds no buffers: start() has recorded them as used by the comm
+/// stream (record_stream_use), so their memory is not reused while the transfer may still read or
+/// write it, even when this batch is destroyed without wait() (its owner threw). Synchronising
+/// in the destructor instead would hang that error path whenever a peer never posts its side.
 class NcclBatch : public detail::PendingBatch {
  public:
-  NcclBatch(std::shared_ptr<CUevent_st> done, std::vector<torch::Tensor> keep_alive)
-      : done_(std::move(done)), keep_alive_(std::move(keep_alive)) {}
-  void wait() override { CUDA_CHECK(cudaStreamWaitEvent(current_cuda_stream(), done_.get(), 0)); }
+  NcclBatch(std::shared_ptr<CUevent_st> done, torch::Device device) : done_(std::move(done)), device_(device) {}
+  void wait() override {
+    const CudaDeviceScope cuda(device_);
+    CUDA_CHECK(cudaStreamWaitEvent(cuda.stream(), done_.get(), 0));
+  }
 
  private:
-  std::shared_ptr<CUevent_st> done_;
-  std::vector<torch::Tensor> keep_alive_;  // the buffers must outlive the transfer
+  std::shared_ptr<CUevent_st> done_;  // recorded on the comm stream after the batch
+  torch::Device device_;              // the communicator's GPU
 };
 
 class NcclComm : public Comm {
@@ -68,8 +78,8 @@ class NcclComm : public Comm {
     MPI_CHECK(MPI_Comm_rank(mpi_, &rank_));
     MPI_CHECK(MPI_Comm_size(mpi_, &size_));
     set_this_rank(rank_);
-    device_ = pick_device();
-    CUDA_CHECK(cudaSetDevice(device_));
+    device_ = detail::use_node_gpu(mpi_);  // now the current device: the stream below is on it
+    check_one_rank_per_gpu();
     ncclUniqueId id;
     if (rank_ == 0) NCCL_CHECK(ncclGetUniqueId(&id));
     MPI_CHECK(MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, mpi_));
@@ -79,9 +89,11 @@ class NcclComm : public Comm {
 
   /// A sub-communicator of `parent` (split): its own MPI and NCCL communicators, the same GPU.
   NcclComm(const NcclComm& parent, int color, int key) : session_(parent.session_), device_(parent.device_) {
+    const CudaDeviceScope cuda(device());  // the comm stream is created on the current device
     MPI_CHECK(MPI_Comm_split(parent.mpi_, color, key, &mpi_));
     MPI_CHECK(MPI_Comm_rank(mpi_, &rank_));
     MPI_CHECK(MPI_Comm_size(mpi_, &size_));
+    // ncclCommSplit appeared in NCCL 2.18; the build requires NCCL >= 2.18 (CMake checks NCCL_VERSION).
     NCCL_CHECK(ncclCommSplit(parent.nccl_, color, key, &nccl_, nullptr));
     CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking));
   }
@@ -98,23 +110,27 @@ class NcclComm : public Comm {
 
   void send(const torch::Tensor& tensor, int peer) override {
     start({P2POp::send(tensor, peer)}).wait();
-    CUDA_CHECK(cudaStreamSynchronize(current_cuda_stream()));  // blocking: the data has left
+    const CudaDeviceScope cuda(device());
+    CUDA_CHECK(cudaStreamSynchronize(cuda.stream()));  // blocking: the data has left
   }
 
   void recv(torch::Tensor& tensor, int peer) override {
     start({P2POp::recv(tensor, peer)}).wait();
-    CUDA_CHECK(cudaStreamSynchronize(current_cuda_stream()));
+    const CudaDeviceScope cuda(device());
+    CUDA_CHECK(cudaStreamSynchronize(cuda.stream()));
   }
 
   Request start(const std::vector<P2POp>& ops) override {
-    std::vector<torch::Tensor> buffers;
     for (const P2POp& op : ops) {
       check_peer(op.peer, "start");
       check_device_buffer(op.tensor, "start");
-      buffers.push_back(op.tensor);
     }
+    const CudaDeviceScope cuda(device());
     // The transfer must not read or overwrite buffers before the caller's work on them is done.
-    CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, record(current_cuda_stream()).get(), 0));
+    CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, record(cuda.stream()).get(), 0));
+    // ... and their memory must not go to another tensor before the transfer is done, whenever
+    // the caller frees them (see NcclBatch).
+    for (const P2POp& op : ops) record_stream_use(op.tensor, comm_stream_, device());
     NCCL_CHECK(ncclGroupStart());
     for (const P2POp& op : ops) {
       if (op.kind == P2POp::Kind::Send)
@@ -123,7 +139,7 @@ class NcclComm : public Comm {
         NCCL_CHECK(ncclRecv(op.tensor.data_ptr(), op.tensor.numel(), nccl_type(op.tensor), op.peer, nccl_, comm_stream_));
     }
     NCCL_CHECK(ncclGroupEnd());
-    return Request(std::make_unique<NcclBatch>(record(comm_stream_), std::move(buffers)));
+    return Request(std::make_unique<NcclBatch>(record(comm_stream_), device()));
   }
 
   torch::Tensor all_gather(const torch::Tensor& tensor) override {
@@ -133,8 +149,9 @@ class NcclComm : public Comm {
     if (shape.empty()) shape.push_back(1);
     shape[0] *= size_;
     torch::Tensor gathered = torch::empty(shape, tensor.options());
+    const CudaDeviceScope cuda(device());
     NCCL_CHECK(ncclAllGather(tensor.data_ptr(), gathered.data_ptr(), tensor.numel(), nccl_type(tensor), nccl_,
-                             current_cuda_stream()));
+                             cuda.stream()));
     return gathered;
   }
 
@@ -146,28 +163,34 @@ class NcclComm : public Comm {
     std::vector<int64_t> shape = tensor.sizes().vec();
     shape[0] /= size_;
     torch::Tensor part = torch::empty(shape, tensor.options());
+    const CudaDeviceScope cuda(device());
     NCCL_CHECK(ncclReduceScatter(tensor.data_ptr(), part.data_ptr(), part.numel(), nccl_type(tensor), ncclSum, nccl_,
-                                 current_cuda_stream()));
+                                 cuda.stream()));
     return part;
   }
 
   void all_reduce(torch::Tensor& tensor, ReduceOp op) override {
     check_device_buffer(tensor, "all_reduce");
     check_same_on_every_rank(*this, tensor, "all_reduce");
+    const CudaDeviceScope cuda(device());
     NCCL_CHECK(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), nccl_type(tensor),
-                             op == ReduceOp::Sum ? ncclSum : ncclMax, nccl_, current_cuda_stream()));
+                             op == ReduceOp::Sum ? ncclSum : ncclMax, nccl_, cuda.stream()));
   }
 
   void broadcast(torch::Tensor& tensor, int root) override {
     check_device_buffer(tensor, "broadcast");
     check_peer(root, "broadcast (root)");
     check_same_on_every_rank(*this, tensor, "broadcast");
+    const CudaDeviceScope cuda(device());
     NCCL_CHECK(ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), nccl_type(tensor), root, nccl_,
-                             current_cuda_stream()));
+                             cuda.stream()));
   }
 
   void barrier() override {
-    CUDA_CHECK(cudaStreamSynchronize(current_cuda_stream()));
+    {
+      const CudaDeviceScope cuda(device());
+      CUDA_CHECK(cudaStreamSynchronize(cuda.stream()));
+    }
     MPI_CHECK(MPI_Barrier(mpi_));
   }
 
@@ -175,37 +198,29 @@ class NcclComm : public Comm {
 
   std::shared_ptr<Comm> split(int color, int key) override {
     CP_CHECK(color >= 0, "split: color must be >= 0, got ", color);
-    CUDA_CHECK(cudaSetDevice(device_));
     return std::make_shared<NcclComm>(*this, color, key);
   }
 
  private:
+  torch::Device device() const { return {torch::kCUDA, static_cast<c10::DeviceIndex>(device_)}; }
+
   void check_device_buffer(const torch::Tensor& tensor, const char* what) const {
     check_buffer(tensor, what);
     CP_CHECK(tensor.is_cuda() && tensor.device().index() == device_, what, ": the nccl backend moves tensors on cuda:",
              device_, " (this rank's GPU), got a tensor on ", tensor.device(), "; use the mpi backend for CPU tensors");
   }
 
-  /// One GPU per rank: the node-local rank picks among the GPUs this process sees. NCCL cannot
-  /// run two ranks on one GPU ("Duplicate GPU detected"), so every rank compares its (host,
-  /// PCI bus id) with the others' and the world refuses to start if two are the same.
-  int pick_device() {
-    MPI_Comm node;
-    MPI_CHECK(MPI_Comm_split_type(mpi_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &node));
-    int local_rank = 0;
-    MPI_Comm_rank(node, &local_rank);
-    MPI_Comm_free(&node);
-    int gpus = 0;
-    if (cudaGetDeviceCount(&gpus) != cudaSuccess) gpus = 0;
-    CP_CHECK(gpus > 0, "nccl backend: this process sees no GPU; use --backend local or --backend mpi");
-    const int device = local_rank % gpus;
-
+  /// One GPU per rank: use_node_gpu gave each process of a node its own GPU while the node has
+  /// enough. NCCL cannot run two ranks on one GPU ("Duplicate GPU detected"), so every rank
+  /// compares its (host, PCI bus id) with the others' and the world refuses to start if two are
+  /// the same.
+  void check_one_rank_per_gpu() const {
     constexpr int kKey = 128;
     char key[kKey] = {};
     gethostname(key, kKey / 2);
     const size_t host_length = std::strlen(key);
     key[host_length] = '/';
-    CUDA_CHECK(cudaDeviceGetPCIBusId(key + host_length + 1, kKey - static_cast<int>(host_length) - 1, device));
+    CUDA_CHECK(cudaDeviceGetPCIBusId(key + host_length + 1, kKey - static_cast<int>(host_length) - 1, device_));
     std::vector<char> keys(static_cast<size_t>(kKey) * size_);
     MPI_CHECK(MPI_Allgather(key, kKey, MPI_CHAR, keys.data(), kKey, MPI_CHAR, mpi_));
     for (int r = 0; r < size_; ++r) {
@@ -216,7 +231,6 @@ class NcclComm : public Comm {
                  "threads sharing one GPU) or --backend mpi (GPU tensors staged through host memory).");
       }
     }
-    return device;
   }
 
   std::shared_ptr<detail::MpiSession> session_;  // declared first: outlives the communicators

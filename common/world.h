@@ -37,7 +37,9 @@ void run_local_world(int world_size, const std::function<void(Comm&)>& fn,
 bool launched_by_mpirun();
 
 /// The `mpi` Comm over all launched processes; initialises MPI on first use and finalises it
-/// when the last Comm is destroyed. A cp::Error when the build has no MPI.
+/// when the last Comm is destroyed. A cp::Error when the build has no MPI. Where CUDA tensors can
+/// be used, each process's current device becomes its own GPU, as in nccl_world (its rank among
+/// the processes of its node, modulo the node's GPUs; processes share GPUs when there are fewer).
 ///
 /// Watchdog: a blocking point-to-point call (send, recv, Request::wait) that has not completed
 /// after CP_MPI_TIMEOUT_S seconds (environment variable; default 20; 0 disables it) prints
@@ -51,8 +53,9 @@ bool launched_by_mpirun();
 /// have no watchdog.
 std::shared_ptr<Comm> mpi_world();
 
-/// The `nccl` Comm: one GPU per process, bootstrapped over MPI. Refuses two ranks on one GPU
-/// (NCCL cannot do it) with a message pointing to the `local` and `mpi` backends.
+/// The `nccl` Comm: one GPU per process (its rank among the processes of its node), made the
+/// current device, bootstrapped over MPI. Refuses two ranks on one GPU (NCCL cannot do it) with a
+/// message pointing to the `local` and `mpi` backends.
 std::shared_ptr<Comm> nccl_world();
 
 /// Runs fn on the world a program was asked for: `local` with `local_size` threads, or the

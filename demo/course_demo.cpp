@@ -4,7 +4,8 @@
 // one table: error, per-rank work imbalance, bytes sent, measured peak memory, time; then the bytes
 // sent against the formulas. Writes bar charts and a Chrome trace. Then one training step of
 // lesson 09's layer with every strategy against the same step on one rank. It runs the solutions
-// of every lesson (each lesson's own tests and demos run your code).
+// of every lesson (each lesson's own tests and demos run your code). Exit status 1 when a row of
+// the tables says FAIL (2 on an error), so that scripts (tools/gpu-check) see it.
 //
 //   build/bin/course_demo --out build/demo                               (make demo)
 //   mpirun -np 4 build/bin/course_demo --backend mpi                     (one process per rank)
@@ -17,6 +18,7 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <mutex>
 #include <numeric>
 #include <optional>
 #include <regex>
@@ -187,8 +189,9 @@ double imbalance(const std::vector<double>& per_rank) {
   return mean > 0 ? *std::max_element(per_rank.begin(), per_rank.end()) / mean : 1.0;
 }
 
-/// figures[s][rank][field] → the table, and the charts in `out_dir`.
-void report(const Problem& p, int world, const std::string& backend, const std::vector<DemoStrategy>& strategies,
+/// figures[s][rank][field] → the table, and the charts in `out_dir`. Returns false when a row
+/// has a FAIL.
+bool report(const Problem& p, int world, const std::string& backend, const std::vector<DemoStrategy>& strategies,
             const std::vector<std::vector<std::vector<double>>>& figures, const std::string& out_dir) {
   auto column = [&](size_t s, Field f) {
     std::vector<double> c;
@@ -199,9 +202,12 @@ void report(const Problem& p, int world, const std::string& backend, const std::
     const std::vector<double> c = column(s, f);
     return *std::max_element(c.begin(), c.end());
   };
+  bool all_ok = true;
   auto mark = [&](size_t s, Field ok) {  // "ok" when every rank is within the tolerance
     const std::vector<double> c = column(s, ok);
-    return *std::min_element(c.begin(), c.end()) == 1 ? "ok" : "FAIL";
+    const bool row_ok = *std::min_element(c.begin(), c.end()) == 1;
+    all_ok = all_ok && row_ok;
+    return row_ok ? "ok" : "FAIL";
   };
   std::printf("\nCausal attention, B = %lld, S = %lld, Hq = %lld, Hkv = %lld, D = %lld, %s, on %d ranks "
               "(%s backend, %s)\n",
@@ -240,6 +246,7 @@ void report(const Problem& p, int world, const std::string& backend, const std::
                       work, "(query, key) pairs");
   cp::write_bar_chart(out_dir + "/peak_memory_per_rank.svg", "Backward peak memory per rank, " + shape, ranks, memory,
                       "MiB");
+  return all_ok;
 }
 
 /// Bytes a rank sends in one forward + backward, from lesson 11's formula: a mesh of 1 × N is the
@@ -355,9 +362,11 @@ StepResult layer_step(cp::Comm& comm, const Problem& p, const LayerProblem& lp, 
 /// One rank's figures of the layer's step, as a row of doubles (kLayerOk*: 1 or 0).
 enum LayerField { kErrLoss, kOkLoss, kErrY, kOkY, kErrWeights, kOkWeights, kStepMs, kLayerFields };
 
-/// Rank 0 prints the layer table: figures[s][rank][LayerField].
-void report_layer(const Problem& p, int64_t seq, const std::vector<DemoStrategy>& strategies,
+/// Rank 0 prints the layer table: figures[s][rank][LayerField]. Returns false when a row has a
+/// FAIL.
+bool report_layer(const Problem& p, int64_t seq, const std::vector<DemoStrategy>& strategies,
                   const std::vector<std::vector<std::vector<double>>>& figures) {
+  bool all_ok = true;
   std::printf("\nOne training step of lesson 09's layer (E = %lld, S = %lld, SGD): N ranks against one rank\n",
               (long long)(p.heads_q * p.dim), (long long)seq);
   std::printf("# %-19s %10s %-4s %10s %-4s %11s %-4s %9s\n", "strategy", "err_loss", "", "err_y", "", "err_weights",
@@ -369,7 +378,10 @@ void report_layer(const Problem& p, int64_t seq, const std::vector<DemoStrategy>
         const bool is_ok = f == kOkLoss || f == kOkY || f == kOkWeights;
         worst[f] = is_ok ? std::min(worst[f], rank[f]) : std::max(worst[f], rank[f]);
       }
-    auto mark = [&](LayerField ok) { return worst[ok] == 1 ? "ok" : "FAIL"; };
+    auto mark = [&](LayerField ok) {
+      all_ok = all_ok && worst[ok] == 1;
+      return worst[ok] == 1 ? "ok" : "FAIL";
+    };
     std::printf("  %-19s %10.2e %-4s %10.2e %-4s %11.2e %-4s %9.1f\n", strategies[s].strategy.name.c_str(),
                 worst[kErrLoss], mark(kOkLoss), worst[kErrY], mark(kOkY), worst[kErrWeights], mark(kOkWeights),
                 worst[kStepMs]);
@@ -383,6 +395,7 @@ void report_layer(const Problem& p, int64_t seq, const std::vector<DemoStrategy>
       "  same on every run (fixed seeds, sums over ranks in rank order, one LibTorch thread per rank);\n"
       "  another CPU can change the last digits (OpenBLAS picks its kernels by CPU; they round differently).\n",
       tol.rel, tol.abs, tol.rel);
+  return all_ok;
 }
 
 torch::ScalarType parse_dtype(const std::string& name) {
@@ -423,40 +436,60 @@ int main(int argc, char** argv) {
     CP_CHECK(device_name == "cpu" || device_name == "cuda" || device_name == "auto",
              "--device: expected cpu, cuda or auto, got '", device_name, "'");
     CP_CHECK(!cuda || cp::cuda_unavailable_reason().empty(), "--device cuda: ", cp::cuda_unavailable_reason());
-    const Problem p{cli.get_int("--batch"), cli.get_int("--heads"), cli.get_int("--kv-heads"), cli.get_int("--seq"),
-                    cli.get_int("--dim"), cuda ? torch::Device(torch::kCUDA) : torch::Device(torch::kCPU),
-                    parse_dtype(cli.get("--dtype"))};
+    // The device kind: each rank's own device is set in the world (below).
+    const Problem problem{cli.get_int("--batch"),
+                          cli.get_int("--heads"),
+                          cli.get_int("--kv-heads"),
+                          cli.get_int("--seq"),
+                          cli.get_int("--dim"),
+                          cuda ? torch::Device(torch::kCUDA) : torch::Device(torch::kCPU),
+                          parse_dtype(cli.get("--dtype"))};
     const int64_t layer_seq = cli.get_int("--layer-seq");
     // Up front, before any work: a wrong shape must be an error, never a table of wrong numbers.
-    CP_CHECK(p.batch >= 1 && p.heads_q >= 1 && p.heads_kv >= 1 && p.dim >= 1 && p.seq >= 1 && layer_seq >= 1,
+    CP_CHECK(problem.batch >= 1 && problem.heads_q >= 1 && problem.heads_kv >= 1 && problem.dim >= 1 &&
+                 problem.seq >= 1 && layer_seq >= 1,
              "--batch, --heads, --kv-heads, --dim, --seq and --layer-seq must be positive");
-    CP_CHECK(p.heads_q % p.heads_kv == 0, "--heads ", p.heads_q, " must be a multiple of --kv-heads ", p.heads_kv,
-             " (grouped-query attention: each key/value head serves Hq/Hkv query heads)");
-    CP_CHECK(!cuda || p.dim == 32 || p.dim == 64 || p.dim == 128, "--dim ", p.dim,
+    CP_CHECK(problem.heads_q % problem.heads_kv == 0, "--heads ", problem.heads_q, " must be a multiple of --kv-heads ",
+             problem.heads_kv, " (grouped-query attention: each key/value head serves Hq/Hkv query heads)");
+    CP_CHECK(!cuda || problem.dim == 32 || problem.dim == 64 || problem.dim == 128, "--dim ", problem.dim,
              ": the CUDA kernels support head dims 32, 64 and 128");
     CP_CHECK(backend != cp::Backend::Local || cli.get_int("--world") >= 1, "--world: expected at least 1 rank, got ",
              cli.get_int("--world"));
     if (backend == cp::Backend::Local) {  // the world size is known now; under mpirun, in the world
       const int64_t two_n = 2 * cli.get_int("--world");
-      for (const auto& [option, seq] : {std::pair<const char*, int64_t>{"--seq", p.seq}, {"--layer-seq", layer_seq}})
+      for (const auto& [option, seq] :
+           {std::pair<const char*, int64_t>{"--seq", problem.seq}, {"--layer-seq", layer_seq}})
         CP_CHECK(seq % two_n == 0, option, " ", seq, " must be divisible by 2·world = ", two_n,
                  " for the zig-zag layout (it cuts S into 2N chunks)");
     }
     const std::string out_dir = cli.get("--out");
     std::filesystem::create_directories(out_dir);
 
-    const auto start = std::chrono::steady_clock::now();
-    const Reference ref = make_reference(p);  // once per process: shared by the rank threads of a local world
-    const double reference_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    const LayerProblem layer = make_layer_problem(p, layer_seq);
-    // The layer's step on a world of one rank (plain attention over all of S), the yardstick of
-    // the N-rank steps: its own world, before the N-rank one, once per process.
+    // Inputs and single-device results, made once per process by the first rank that gets there,
+    // on its device: inside the world, where an mpi or nccl world has given the process its own
+    // GPU (made before, they would all be on cuda:0, and the nccl backend refuses them on every
+    // rank but those of GPU 0). The rank threads of a local world share them (all on cuda:0).
+    std::once_flag made;
+    Reference ref;
+    double reference_s = 0;
+    LayerProblem layer;
     StepResult one_rank;
-    cp::run_local_world(1, [&](cp::Comm& one) { one_rank = layer_step(one, p, layer, cp::ring_strategy()); });
     cp::Trace trace;
     std::string trace_path = out_dir + "/trace.json";
     int world = 0;
+    bool all_ok = true;
     cp::run_world(backend, cli.get_int("--world"), [&](cp::Comm& comm) {
+      Problem p = problem;
+      if (p.device.is_cuda()) p.device = cp::current_cuda_device();  // this rank's GPU
+      std::call_once(made, [&] {
+        const auto start = std::chrono::steady_clock::now();
+        ref = make_reference(p);
+        reference_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        layer = make_layer_problem(p, layer_seq);
+        // The layer's step on a world of one rank (plain attention over all of S), the yardstick
+        // of the N-rank steps: its own world, once per process.
+        cp::run_local_world(1, [&](cp::Comm& one) { one_rank = layer_step(one, p, layer, cp::ring_strategy()); });
+      });
       const int n = comm.size();
       for (const auto& [option, seq] : {std::pair<const char*, int64_t>{"--seq", p.seq}, {"--layer-seq", layer_seq}})
         check_on_every_rank(seq % (2 * n) == 0, cp::detail::concat(option, " ", seq, " must be divisible by 2·world = ",
@@ -467,7 +500,7 @@ int main(int argc, char** argv) {
       for (const DemoStrategy& s : strategies)
         figures.push_back(gather_rows(comm, run_strategy(comm, p, ref, s.strategy, &trace), p.device));
       if (comm.rank() == 0) {
-        report(p, n, cp::to_string(comm.backend()), strategies, figures, out_dir);
+        all_ok = report(p, n, cp::to_string(comm.backend()), strategies, figures, out_dir);
         for (const std::string& reason : skipped) std::printf("Not run: %s\n", reason.c_str());
         report_volume(p, strategies, figures, out_dir);
       }
@@ -490,7 +523,7 @@ int main(int argc, char** argv) {
       if (backend != cp::Backend::Local) trace_path = out_dir + "/trace.rank" + std::to_string(comm.rank()) + ".json";
       if (comm.rank() != 0) return;
       world = n;
-      report_layer(p, layer_seq, strategies, layer_figures);
+      all_ok = report_layer(p, layer_seq, strategies, layer_figures) && all_ok;
     });
     trace.write(trace_path);
     if (world == 0) return 0;  // not rank 0 of an mpirun world: rank 0 prints
@@ -506,6 +539,11 @@ int main(int argc, char** argv) {
                 "  %-44s compute and communication spans of every strategy\n"
                 "                                               (chrome://tracing or ui.perfetto.dev)\n",
                 out_dir.c_str(), std::filesystem::path(trace_path).filename().string().c_str());
+    if (!all_ok) {
+      std::fflush(stdout);
+      std::fprintf(stderr, "course_demo: FAILED: results outside the tolerance (FAIL in the tables above)\n");
+      return 1;
+    }
     return 0;
   });
 }

@@ -310,6 +310,50 @@ CP_TEST(Lesson11, Task3_TheLayerTrainsWithTheHybrid) {
   });
 }
 
+/// A Comm that passes everything to `inner` and counts the calls of split(). (The collectives
+/// are Comm's generic ones, over inner's point-to-point.)
+class SplitCounter : public Comm {
+ public:
+  explicit SplitCounter(Comm& inner) : inner_(inner) {}
+  int splits() const { return splits_; }
+
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  Backend backend() const override { return inner_.backend(); }
+  void send(const torch::Tensor& tensor, int peer) override { inner_.send(tensor, peer); }
+  void recv(torch::Tensor& tensor, int peer) override { inner_.recv(tensor, peer); }
+  Request start(const std::vector<P2POp>& ops) override { return inner_.start(ops); }
+  std::shared_ptr<Comm> split(int color, int key) override {
+    ++splits_;
+    return inner_.split(color, key);
+  }
+
+ private:
+  Comm& inner_;
+  int splits_ = 0;
+};
+
+CP_TEST(Lesson11, Task3_TheStrategySplitsEachCommOnce) {
+  // The layer calls the strategy in every forward and backward; splitting each time would cost
+  // four splits per step (on NCCL, four ncclCommSplit). Two Comms one after the other, most likely
+  // at the same address: each gets its own mesh (a cache keyed by address would give the second
+  // the first's, made over another Comm).
+  for_each_world([](Comm& comm) {
+    const int p = comm.size();
+    const Strategy strategy = hybrid_strategy(default_hybrid_mesh(p, 2 * p, 1));
+    const torch::Tensor q = torch::ones({1, 2 * p, 4, 32}), kv = torch::ones({1, 1, 4, 32});
+    for (int comm_number = 0; comm_number < 2; ++comm_number) {
+      SplitCounter counted(comm);
+      for (int step = 0; step < 2; ++step) {  // two layer steps: a forward and a backward each
+        const StrategyForward f = strategy_forward(counted, q, kv, kv, strategy);
+        strategy_backward(counted, q, q, kv, kv, f.out, f.lse, strategy);
+      }
+      EXPECT_EQ(counted.splits(), 2) << "Comm " << comm_number << ", rank " << comm.rank() << " of " << p
+                                     << ": two steps should split once into the group and once into the ring";
+    }
+  });
+}
+
 CP_TEST(Lesson11, Task2_BadInputGivesClearErrors) {
   run_local_world(1, [](Comm& comm) {  // counts once implemented
     const torch::Tensor t = torch::zeros({1, 2, 4, 32});

@@ -4,6 +4,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/types.h>
 
+#include <cmath>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -121,6 +122,63 @@ CP_TEST(Runtime, AllReduceSumAndMax) {
       expect_equal(mx, torch::arange(7, dtype).remainder(n) + 1, "all_reduce max");
     }
   });
+}
+
+/// float16 and bfloat16 tensors on `device` are reduced too (lesson 09's all_reduce_gradients of
+/// a bfloat16 layer): the local backend adds in the dtype, the mpi backend in float32 (MPI has no
+/// half type), NCCL in its own way.
+void expect_half_precision_reductions(torch::Device device) {
+  for_each_world([device](Comm& comm) {
+    const int n = comm.size();
+    for (auto dtype : {torch::kHalf, torch::kBFloat16}) {
+      auto values_of = [&](int rank) {  // rank's tensor, on the CPU: any rank can make any rank's
+        torch::Generator gen = at::detail::createCPUGenerator(500 + rank);
+        return (torch::randn({2 * n, 33}, gen) * 10).to(dtype);
+      };
+      torch::Tensor exact = torch::zeros({2 * n, 33}, torch::kDouble), magnitude = exact.clone(), mx;
+      for (int r = 0; r < n; ++r) {
+        const torch::Tensor x = values_of(r).to(torch::kDouble);
+        exact += x;
+        magnitude += x.abs();
+        mx = r == 0 ? x : torch::maximum(mx, x);
+      }
+      // Each of the N − 1 additions in the dtype rounds with a relative error of at most u (2^-11
+      // for float16, 2^-8 for bfloat16), so |error| <= (N − 1)·u·Σ|x_r| (to first order); float32
+      // additions and one rounding to the dtype stay below u·Σ|x_r| + (N − 1)·2^-24·Σ|x_r|. N·u·Σ|x_r|
+      // bounds both, and is far below what a lost or doubled rank would add (about |x_r|, ~10).
+      const double u = dtype == torch::kHalf ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8);
+      const torch::Tensor tolerance = n * u * magnitude;
+      const std::string what = std::string(c10::toString(dtype)) + " on " + device.str() + ", rank " +
+                               std::to_string(comm.rank());
+
+      torch::Tensor sum = values_of(comm.rank()).to(device);
+      comm.all_reduce(sum, ReduceOp::Sum);
+      ASSERT_EQ(sum.scalar_type(), dtype) << what;
+      ASSERT_EQ(sum.device().type(), device.type()) << what;
+      EXPECT_TRUE(((sum.cpu().to(torch::kDouble) - exact).abs() <= tolerance).all().item<bool>())
+          << "all_reduce sum, " << what << ": got\n" << sum << "\nexpected\n" << exact;
+
+      const torch::Tensor part = comm.reduce_scatter(values_of(comm.rank()).to(device));
+      ASSERT_EQ(part.scalar_type(), dtype) << what;
+      ASSERT_EQ(part.device().type(), device.type()) << what;
+      ASSERT_EQ(part.sizes(), torch::IntArrayRef({2, 33})) << what;
+      const torch::Tensor my_rows = exact.chunk(n, 0)[comm.rank()];
+      EXPECT_TRUE(
+          ((part.cpu().to(torch::kDouble) - my_rows).abs() <= tolerance.chunk(n, 0)[comm.rank()]).all().item<bool>())
+          << "reduce_scatter, " << what << ": got\n" << part << "\nexpected\n" << my_rows;
+
+      torch::Tensor largest = values_of(comm.rank()).to(device);
+      comm.all_reduce(largest, ReduceOp::Max);
+      expect_equal(largest.cpu().to(torch::kDouble), mx, "all_reduce max (exact in any dtype), " + what);
+    }
+  });
+}
+
+CP_TEST(Runtime, HalfPrecisionReductionsMatchAFloat64Sum) { expect_half_precision_reductions(torch::kCPU); }
+
+CP_TEST(RuntimeCuda, HalfPrecisionReductionsMatchAFloat64Sum) {
+  CP_REQUIRE_GPU();
+  expect_half_precision_reductions(torch::kCUDA);  // the current device: under mpirun, this rank's GPU
 }
 
 CP_TEST(Runtime, BroadcastFromEveryRoot) {

@@ -4,6 +4,9 @@
 // the zig-zag ring across the groups (lesson 07).
 #include "hybrid.h"
 
+#include <algorithm>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -139,22 +142,63 @@ HybridGrads hybrid_attention_backward(const HybridComms& comms, const torch::Ten
   return grads;
 }
 
+namespace {
+
+/// The mesh's communicators of every Comm a hybrid strategy runs on, made on first use. Splitting
+/// is collective and not cheap (on NCCL an ncclCommSplit per communicator): once per Comm, not in
+/// every forward and backward of every layer step. An entry is found by the Comm's lifetime(), not
+/// its address: a Comm made later at the same address (the rank of a next world) must split anew.
+/// Entries of Comms that are gone are dropped at the next lookup; the sub-communicators of the
+/// live ones stay until the strategy (every copy of it) is gone.
+class MeshCache {
+ public:
+  explicit MeshCache(HybridMesh mesh) : mesh_(mesh) {}
+
+  HybridComms of(Comm& comm) {
+    const std::shared_ptr<const void> key = comm.lifetime().lock();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      entries_.erase(std::remove_if(entries_.begin(), entries_.end(), [](const Entry& e) { return e.comm.expired(); }),
+                     entries_.end());
+      for (const Entry& e : entries_)
+        if (e.comm.lock() == key) return e.comms;
+    }
+    // Unlocked: make_hybrid_comms waits for the other ranks, which may be threads using this cache.
+    HybridComms made = make_hybrid_comms(comm, mesh_);
+    std::lock_guard<std::mutex> lock(mutex_);
+    entries_.push_back({key, made});
+    return made;
+  }
+
+ private:
+  struct Entry {
+    std::weak_ptr<const void> comm;  // the parent's lifetime()
+    HybridComms comms;
+  };
+  const HybridMesh mesh_;
+  std::mutex mutex_;  // the ranks of a local world are threads that may share one strategy
+  std::vector<Entry> entries_;
+};
+
+}  // namespace
+
 Strategy hybrid_strategy(HybridMesh mesh) {
   const std::string name = "hybrid " + std::to_string(mesh.ulysses) + "x" + std::to_string(mesh.ring);
+  auto meshes = std::make_shared<MeshCache>(mesh);  // shared by the copies of the strategy
   return {name, TokenLayout::ZigZag,
-          [mesh](Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, Trace* trace) {
+          [meshes](Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, Trace* trace) {
             HybridOptions options;
             options.causal = true;
             options.trace = trace;
-            const HybridResult r = hybrid_attention_forward(make_hybrid_comms(comm, mesh), q, k, v, options);
+            const HybridResult r = hybrid_attention_forward(meshes->of(comm), q, k, v, options);
             return StrategyForward{r.out, r.lse, {r.stats.pairs, r.stats.bytes_ulysses + r.stats.bytes_ring}};
           },
-          [mesh](Comm& comm, const torch::Tensor& dout, const torch::Tensor& q, const torch::Tensor& k,
-                 const torch::Tensor& v, const torch::Tensor& out, const torch::Tensor& lse, Trace* trace) {
+          [meshes](Comm& comm, const torch::Tensor& dout, const torch::Tensor& q, const torch::Tensor& k,
+                   const torch::Tensor& v, const torch::Tensor& out, const torch::Tensor& lse, Trace* trace) {
             HybridOptions options;
             options.causal = true;
             options.trace = trace;
-            const HybridGrads g = hybrid_attention_backward(make_hybrid_comms(comm, mesh), dout, q, k, v, out, lse, options);
+            const HybridGrads g = hybrid_attention_backward(meshes->of(comm), dout, q, k, v, out, lse, options);
             return StrategyBackward{g.dq, g.dk, g.dv, {g.stats.pairs, g.stats.bytes_ulysses + g.stats.bytes_ring}};
           }};
 }

@@ -99,8 +99,11 @@ void run_launched_world(Comm& comm, const std::function<void(Comm&)>& body) {
   }
   if (outcome == kPassed && ::testing::Test::HasFailure()) outcome = kFailed;
 
-  // Every rank learns every rank's outcome, so a failure anywhere fails the test everywhere.
-  const torch::Tensor outcomes = comm.all_gather(torch::tensor({static_cast<int32_t>(outcome)}, torch::kInt32));
+  // Every rank learns every rank's outcome, so a failure anywhere fails the test everywhere. (On
+  // the GPU under nccl, which moves nothing else.)
+  const torch::Device device = comm.backend() == Backend::Nccl ? current_cuda_device() : torch::Device(torch::kCPU);
+  const torch::Tensor outcomes =
+      comm.all_gather(torch::tensor({static_cast<int32_t>(outcome)}, torch::kInt32).to(device)).cpu();
   for (int r = 0; r < comm.size(); ++r) {
     const int32_t o = outcomes[r].item<int32_t>();
     if (o == kFailed && r != comm.rank()) ADD_FAILURE() << "rank " << r << " failed (its messages carry [rank " << r << "])";

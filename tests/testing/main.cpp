@@ -1,5 +1,11 @@
 // The gtest main of every test program, in-process or under mpirun.
 //
+// Run on its own, a program tests local worlds (threads). Under mpirun it tests the launched
+// world, over the backend that --backend names (after the gtest flags, in any order):
+//   mpirun -np 4 build/bin/runtime_test                                         (mpi, the default)
+//   mpirun -np 2 build/bin/runtime_test --backend nccl --gtest_filter='*Cuda.*'  (one GPU per rank)
+// The nccl backend moves CUDA tensors only: give it the CUDA suites (names ending in "Cuda").
+//
 // Under mpirun only rank 0 prints the usual gtest output; the other ranks print only their
 // failures, prefixed with their rank. Rank 0 also writes one JSON line per test to the file
 // named by CP_RESULTS_JSON (read by tools/status and tools/compare) and prints a summary.
@@ -14,6 +20,7 @@
 #include <memory>
 #include <sstream>
 
+#include "common/cli.h"
 #include "common/world.h"
 #include "testing/harness.h"
 #include "testing/oracle.h"
@@ -25,7 +32,7 @@
 
 namespace cp::testing::detail {
 namespace {
-std::shared_ptr<Comm> launched;  // the mpi world, alive for the whole program
+std::shared_ptr<Comm> launched;  // the mpi or nccl world, alive for the whole program
 }
 
 Comm* launched_world() { return launched.get(); }
@@ -136,20 +143,32 @@ class RankFailurePrinter : public ::testing::EmptyTestEventListener {
 
 int main(int argc, char** argv) {
   using namespace cp::testing::detail;
-  ::testing::InitGoogleTest(&argc, argv);
-  // Many ranks share few cores: one LibTorch intra-op thread per rank.
-  torch::set_num_threads(1);
-  if (cp::launched_by_mpirun()) launched = cp::mpi_world();
+  ::testing::InitGoogleTest(&argc, argv);  // takes the gtest flags out of argv
+  return cp::run_main([&] {
+    const bool under_mpirun = cp::launched_by_mpirun();
+    const cp::CommandLine cli(argc, argv, "The course's options, besides GoogleTest's (above).",
+                              {{"--backend", under_mpirun ? "mpi" : "local",
+                                "local without mpirun (threads); under mpirun mpi, or nccl for the *Cuda.* suites"}});
+    if (cli.help_requested()) return 0;
+    const cp::Backend backend = cp::parse_backend(cli.get("--backend"));
+    CP_CHECK((backend == cp::Backend::Local) != under_mpirun, "--backend ", cli.get("--backend"),
+             under_mpirun ? ": under mpirun the tests use the launched world: mpi or nccl"
+                          : ": without mpirun the tests run local worlds; launch with mpirun for mpi or nccl");
+    // Many ranks share few cores: one LibTorch intra-op thread per rank.
+    torch::set_num_threads(1);
+    if (backend == cp::Backend::Mpi) launched = cp::mpi_world();
+    if (backend == cp::Backend::Nccl) launched = cp::nccl_world();
 
-  ::testing::TestEventListeners& listeners = ::testing::UnitTest::GetInstance()->listeners();
-  const int rank = launched ? launched->rank() : 0;
-  if (rank == 0) {
-    listeners.Append(new CourseReporter(std::getenv("CP_RESULTS_JSON")));
-  } else {
-    delete listeners.Release(listeners.default_result_printer());
-    listeners.Append(new RankFailurePrinter(rank));
-  }
-  const int status = RUN_ALL_TESTS();
-  launched.reset();  // finalises MPI
-  return status;
+    ::testing::TestEventListeners& listeners = ::testing::UnitTest::GetInstance()->listeners();
+    const int rank = launched ? launched->rank() : 0;
+    if (rank == 0) {
+      listeners.Append(new CourseReporter(std::getenv("CP_RESULTS_JSON")));
+    } else {
+      delete listeners.Release(listeners.default_result_printer());
+      listeners.Append(new RankFailurePrinter(rank));
+    }
+    const int status = RUN_ALL_TESTS();
+    launched.reset();  // the last Comm: MPI is finalised when run_main returns
+    return status;
+  });
 }
