@@ -7,6 +7,8 @@
 #   make status          per-lesson table of the learner's progress
 #   make compare N=01    learner vs solution: results, errors, timings, diff of filled regions
 #   make sanitize        the solution tests under ASan + UBSan and TSan (build-address/, build-thread/)
+#   make test-debian13   (maintainers, CI; root) the course in a Debian 13 root: make demo and make
+#                        test there, and every target built against CUDA LibTorch + NCCL (build-debian13/)
 #   make skeletons       (maintainers) regenerate lessons/ from solutions/; files holding learner
 #                        code are first copied to .learner-backups/ (N=01: one lesson)
 #   make check-skeletons (maintainers, CI) fail unless lessons/ is exactly what make skeletons writes
@@ -24,7 +26,7 @@ NN = $(shell case '$(N)' in ([0-9]|[0-9][0-9]) printf '%02d' $$((10#$(N)));; esa
 LESSONS = $$(ls lessons | tr '\n' ' ')
 CMAKE_ARGS = -G Ninja -DCP_CUDA_ARCHS="$(CP_CUDA_ARCHS)" $(if $(CMAKE_PREFIX_PATH),-DCMAKE_PREFIX_PATH="$(CMAKE_PREFIX_PATH)")
 
-.PHONY: setup setup-cuda-cpu configure build test demo lesson status compare docs bench skeletons check-skeletons gpu-check sanitize clean need-N
+.PHONY: setup setup-cuda-cpu configure build test demo lesson status compare docs bench skeletons check-skeletons gpu-check sanitize test-debian13 clean need-N
 
 setup:
 	@tools/setup
@@ -114,6 +116,9 @@ gpu-check:
 
 sanitize: setup
 	tools/sanitize
+
+test-debian13:
+	tools/test-debian13
 
 clean:
 	rm -rf $(BUILD) $(BUILD)-address $(BUILD)-thread
