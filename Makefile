@@ -7,9 +7,10 @@
 #   make status          per-lesson table of the learner's progress
 #   make compare N=01    learner vs solution: results, errors, timings, diff of filled regions
 #   make sanitize        the solution tests under ASan + UBSan and TSan (build-address/, build-thread/)
-#   make test-debian13   (maintainers, CI; root) the course in Debian 13 roots: make demo and make
-#                        test there, and every target built against CUDA LibTorch + NCCL (build-debian13/);
-#                        KERNELS=1: also CUDA on the CPU built there from ../shared and the kernel tests
+#   make test-debian13   (maintainers, CI; root) the course in Debian 13 roots: make demo, make test
+#                        and the kernel tests on the CPU there, and every target built against CUDA
+#                        LibTorch + NCCL (build-debian13/); PART=cpu|cuda: one of them; PART=source:
+#                        CUDA on the CPU built there from ../shared/cuda-cpu/src, and lesson 03 on it
 #   make skeletons       (maintainers) regenerate lessons/ from solutions/; files holding learner
 #                        code are first copied to .learner-backups/ (N=01: one lesson)
 #   make check-skeletons (maintainers, CI) fail unless lessons/ is exactly what make skeletons writes
@@ -119,7 +120,7 @@ sanitize: setup
 	tools/sanitize
 
 test-debian13:
-	tools/test-debian13 $(if $(KERNELS),--kernels)
+	tools/test-debian13 $(if $(PART),--only $(PART))
 
 clean:
 	rm -rf $(BUILD) $(BUILD)-address $(BUILD)-thread

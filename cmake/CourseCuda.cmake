@@ -100,6 +100,22 @@ elseif(CP_CUDA_BACKEND STREQUAL "cuda-cpu")
   target_compile_definitions(cp_cuda_runtime INTERFACE __HIP_PLATFORM_SPIRV__=
                              CP_CUDA_CPU_ROOT="${CP_CUDA_CPU_ROOT}")
   target_link_libraries(cp_cuda_runtime INTERFACE ${CP_CUDA_CPU_ROOT}/lib/libCHIP.so)
+  # PoCL's LLVM goes first among the libraries of every program with kernels. Debian 13's
+  # LibTorch (2.6) holds a copy of LLVM inside libtorch_cpu and exports its C functions; the
+  # dynamic loader looks a symbol up in the program's libraries in link order, and PoCL's LLVM,
+  # which comes in later, would then see PoCL's start-up calls LLVMInitializeX86Target... go
+  # to LibTorch's copy: its own target registry then has no x86 target, and the first kernel
+  # compiled crashes PoCL (a segmentation fault in pocl_llvm_codegen2). Linked first, its
+  # functions are the ones found. (LibTorch's copy serves TorchScript's CPU fuser, unused here.)
+  execute_process(COMMAND readelf -d ${CP_CUDA_CPU_ROOT}/lib/libpocl.so OUTPUT_VARIABLE cp_pocl_needed)
+  string(REGEX MATCH "libLLVM[^]]*" cp_pocl_llvm "${cp_pocl_needed}")
+  find_library(CP_POCL_LLVM NAMES "${cp_pocl_llvm}" PATHS /usr/lib/llvm-19/lib)
+  if(NOT cp_pocl_llvm OR NOT CP_POCL_LLVM)
+    message(FATAL_ERROR "CUDA on the CPU: the LLVM library of ${CP_CUDA_CPU_ROOT}/lib/libpocl.so "
+                        "('${cp_pocl_llvm}', from readelf -d) was not found: make setup installs it")
+  endif()
+  target_link_options(cp_cuda_runtime INTERFACE "LINKER:--push-state,--no-as-needed" ${CP_POCL_LLVM}
+                      "LINKER:--pop-state")
   set(CP_CUDA_TEST_LABEL cuda-cpu)
   file(STRINGS ${CP_CUDA_CPU_ROOT}/include/chipStarConfig.hh cp_chipstar REGEX "define CHIPSTAR_VERSION ")
   string(REGEX REPLACE ".*\"(.*)\".*" "\\1" cp_chipstar "${cp_chipstar}")
