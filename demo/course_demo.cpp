@@ -154,7 +154,7 @@ std::vector<double> run_strategy(cp::Comm& comm, const Problem& p, const Referen
   {
     cp::TraceSpan span(trace, comm.rank(), "strategy", name + " backward");
     cp::MemoryMeter meter;
-    g = cp::strategy_backward(comm, dout, q, k, v, f.out, f.lse, strategy, trace);
+    g = cp::strategy_backward(comm, dout, f.saved, strategy, trace);
     row[kMsBwd] = elapsed_ms(start, p.device);
     row[kPeakBwd] = meter.peak_bytes() / 1048576.0;
   }
@@ -270,11 +270,12 @@ void report_volume(const Problem& p, const std::vector<DemoStrategy>& strategies
                 formula_mib(p, *strategies[s].mesh));
   }
   std::printf("Formulas (lessons 05, 10, 11): the ring sends N−1 hops of its K/V chunk and, backward, N hops of\n"
-              "  the float32 dK/dV; Ulysses sends (N−1)/N of every tensor it exchanges (q, k, v, out, lse and\n"
-              "  back); the hybrid Pu × Pr adds Ulysses over Pu ranks and the ring over Pr groups. With GQA\n"
-              "  (Hkv < Hq) the ring moves only the small K/V while Ulysses moves q and out in full, so Ulysses\n"
-              "  can send more; with Hkv = Hq its forward sends N/2 times less than the ring's (lesson 10). Chart\n"
-              "  over N (formulas): bytes_per_rank.svg.\n");
+              "  the float32 dK/dV; Ulysses sends (N−1)/N of every tensor it exchanges: forward q, k, v in and\n"
+              "  out, lse back, backward dout in and dq, dk, dv back (the rest its forward kept); the hybrid\n"
+              "  Pu × Pr adds Ulysses over Pu ranks and the ring over Pr groups. With GQA (Hkv < Hq) the ring\n"
+              "  moves only the small K/V while Ulysses moves q and out in full, so Ulysses can send more; with\n"
+              "  Hkv = Hq its forward sends N/2 times less than the ring's (lesson 10). Chart over N\n"
+              "  (formulas): bytes_per_rank.svg.\n");
   std::vector<std::string> sizes;
   std::vector<cp::BarSeries> series = {{"ring", {}}, {"ulysses", {}}, {"hybrid (course mesh)", {}}};
   for (int n = 2; n <= 16; n *= 2) {

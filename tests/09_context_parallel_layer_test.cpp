@@ -99,8 +99,10 @@ CP_TEST(Lesson09, Task2_BadInputGivesClearErrors) {
          "x: expected the layer's dtype and device"},
         {"3-D k into strategy_forward", [&] { strategy_forward(comm, t, t[0], t, llama3_strategy(Llama3Mode::Fused)); },
          "k: expected at least 4 dimension(s)"},
-        {"3-D v into strategy_backward", [&] { strategy_backward(comm, t, t, t, t[0], t, t[0][0], ring_strategy()); },
+        {"3-D v saved for strategy_backward", [&] { strategy_backward(comm, t, {t, t, t[0], t, t[0][0]}, ring_strategy()); },
          "v: expected at least 4 dimension(s)"},
+        {"two tensors saved for the ring's backward", [&] { strategy_backward(comm, t, {t, t}, ring_strategy()); },
+         "saved: the backward of 'ring' takes the 5 tensors its forward returned in StrategyForward::saved; got 2"},
     });
   });
 }

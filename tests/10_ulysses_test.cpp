@@ -108,9 +108,20 @@ struct Case {
   TokenLayout layout;
 };
 
-/// What check_case runs: the forward, the backward (from the reference's out and lse, so that it
-/// does not depend on the forward), or the backward from the forward's results.
+/// What check_case runs: the forward, the backward (from what the forward would keep, made from
+/// the reference's out and lse, so that it does not depend on the forward), or the backward from
+/// what the forward kept.
 enum class Pass { Forward, Backward, Both };
+
+/// The UlyssesSaved of a forward that got out and lse right: this rank's q, k, v, out, lse brought
+/// to the head split with task 1's exchange (K/V heads replicated as the forward does).
+UlyssesSaved saved_from_reference(Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                  const torch::Tensor& out, const torch::Tensor& lse) {
+  const int64_t kv = ulysses_kv_heads(q.size(1), k.size(1), comm.size());
+  auto heads = [&](const torch::Tensor& t) { return ulysses_seq_to_heads(comm, t.contiguous()); };
+  return {heads(q), heads(out), heads(replicate_kv_heads(k, kv)), heads(replicate_kv_heads(v, kv)), heads(lse),
+          k.size(1)};
+}
 
 /// One case on every rank: the shards of a random sequence (in `dtype`, on `device`) through the
 /// forward and/or the backward, every output against float64 attention over the whole sequence in
@@ -134,18 +145,20 @@ void check_case(Comm& comm, const Case& c, const Heads& h, uint64_t seed, Pass p
   const std::string what = where(comm, to_string(c.layout) + (c.causal ? " causal" : " full") + ", Hq " +
                                            std::to_string(h.q) + " Hkv " + std::to_string(h.kv) + ", " +
                                            c10::toString(dtype) + (device.is_cuda() ? " cuda" : ""));
-  torch::Tensor my_out = in(out.to(dtype)), my_lse = in(lse.to(torch::kFloat));
+  UlyssesSaved saved;
   if (pass != Pass::Backward) {
     const UlyssesResult r = ulysses_attention_forward(comm, in(q), in(k), in(v), options);
     EXPECT_EQ(r.out.scalar_type(), dtype) << what;
     EXPECT_TRUE(all_close(r.out, mine(out), "out " + what, kDims));
     EXPECT_TRUE(all_close(r.lse, mine(lse), "lse " + what, {"b", "h", "s"}));
     EXPECT_EQ(r.stats.bytes_sent, volume.forward_bytes) << "forward bytes, " << what;
-    my_out = r.out, my_lse = r.lse;
+    saved = r.saved;
+  } else {
+    saved = saved_from_reference(comm, in(q), in(k), in(v), in(out.to(dtype)), in(lse.to(torch::kFloat)));
   }
   if (pass == Pass::Forward) return;
   const auto [dq, dk, dv] = testing::oracle_attention_grads(q, k, v, dout, c.causal, pos, pos, scale);
-  const UlyssesGrads g = ulysses_attention_backward(comm, in(dout), in(q), in(k), in(v), my_out, my_lse, options);
+  const UlyssesGrads g = ulysses_attention_backward(comm, in(dout), saved, options);
   EXPECT_TRUE(all_close(g.dq, mine(dq), "dq " + what, kDims, testing::gradient_tolerance(dtype, dq)));
   EXPECT_TRUE(all_close(g.dk, mine(dk), "dk " + what, kDims, testing::gradient_tolerance(dtype, dk)));
   EXPECT_TRUE(all_close(g.dv, mine(dv), "dv " + what, kDims, testing::gradient_tolerance(dtype, dv)));
@@ -191,11 +204,11 @@ CP_TEST(Lesson10, Task2_VolumeFormulaIsZeroOnOneRankAndFollowsP) {
   const UlyssesVolume one = ulysses_volume(2, 8, 2, 64, 32, 1, 4);
   EXPECT_EQ(one.forward_bytes, 0);
   EXPECT_EQ(one.backward_bytes, 0);
-  // P = 4, Hq = Hkv = 8: q, k, v, out each send 3/16 of B·S·H·D = 2·64·8·32 elements; lse 3/16 of B·S·H.
+  // P = 4, Hq = Hkv = 8: each tensor sends 3/16 of B·S·H·D = 2·64·8·32 elements; lse 3/16 of B·S·H.
   const int64_t tensor = 3 * 2 * 64 * 8 * 32 / 16 * 4, lse = 3 * 2 * 64 * 8 / 16 * 4;
   const UlyssesVolume four = ulysses_volume(2, 8, 8, 64, 32, 4, 4);
-  EXPECT_EQ(four.forward_bytes, 4 * tensor + lse);
-  EXPECT_EQ(four.backward_bytes, 8 * tensor + lse);
+  EXPECT_EQ(four.forward_bytes, 4 * tensor + lse);  // q, k, v in; out, lse back
+  EXPECT_EQ(four.backward_bytes, 4 * tensor);       // dout in; dq, dk, dv back: 4·(P−1)/P²·B·S·H·D elements
   EXPECT_EQ(ulysses_kv_heads(8, 2, 4), 4);  // replicated twice
   EXPECT_EQ(ulysses_kv_heads(8, 8, 4), 8);
 }
@@ -224,7 +237,7 @@ CP_TEST(Lesson10, Task3_EmptyInputGivesEmptyResults) {
     for (const auto& shape : {std::vector<int64_t>{0, p, 4, 32}, std::vector<int64_t>{1, p, 0, 32}}) {
       const torch::Tensor t = torch::zeros(shape);
       const UlyssesResult r = ulysses_attention_forward(comm, t, t, t, ulysses_options(true));
-      const UlyssesGrads g = ulysses_attention_backward(comm, t, t, t, t, r.out, r.lse, ulysses_options(true));
+      const UlyssesGrads g = ulysses_attention_backward(comm, t, r.saved, ulysses_options(true));
       EXPECT_EQ(r.out.sizes(), t.sizes());
       EXPECT_EQ(r.lse.sizes(), t.sizes().slice(0, 3));
       EXPECT_EQ(g.dk.sizes(), t.sizes());
@@ -268,6 +281,30 @@ CP_TEST(Lesson10, Task2_BadInputGivesClearErrors) {
       {"seq_to_heads of 3 heads over 4 ranks", on_4_ranks([](Comm& comm) {
          ulysses_seq_to_heads(comm, torch::zeros({1, 3, 2}));
        }), "head count 3 (dim 1) must be divisible by the 4 ranks"},
+  });
+}
+
+CP_TEST(Lesson10, Task3_BackwardRejectsSavedTensorsThatDoNotFitDout) {
+  const torch::Tensor t = torch::zeros({1, 4, 4, 32});
+  run_local_world(1, [&](Comm& comm) {  // counts once implemented
+    ulysses_attention_backward(comm, t, ulysses_attention_forward(comm, t, t, t).saved);
+  });
+  // On 2 ranks: the forward of t, then a backward given `dout` and something else than its saved.
+  auto backward = [&](torch::Tensor dout, std::function<UlyssesSaved(const UlyssesSaved&)> change) {
+    return [=] {
+      run_local_world(2, [&](Comm& comm) {
+        ulysses_attention_backward(comm, dout, change(ulysses_attention_forward(comm, t, t, t).saved));
+      });
+    };
+  };
+  const auto as_is = [](const UlyssesSaved& s) { return s; };
+  testing::expect_errors({
+      {"no saved tensors", backward(t, [](const UlyssesSaved&) { return UlyssesSaved{}; }), "saved: empty"},
+      {"dout of 6 tokens for a forward of 4", backward(torch::zeros({1, 4, 6, 32}), as_is),
+       "saved: expected the forward's head split for dout [1, 4, 6, 32] on 2 ranks"},
+      {"lse saved in float64", backward(t, [](UlyssesSaved s) { s.lse = s.lse.to(torch::kDouble); return s; }),
+       "saved: q must have dout's dtype"},
+      {"3-D dout", backward(t[0], as_is), "dout: expected"},
   });
 }
 

@@ -144,12 +144,33 @@ CP_TEST(Lesson11, Task2_ForwardMatchesFullAttentionOnEveryMesh) {
   });
 }
 
+/// The HybridResult::saved of a forward that got out and lse right: this rank's q, k, v, out, lse
+/// through lesson 10's exchange over the group (K/V heads replicated as lesson 10 does), then in
+/// the ring's zig-zag order: the gathered sequence is the group's shards one after the other, each
+/// two chunks; the ring's shard is the first chunks in group order, then the second in reverse.
+UlyssesSaved saved_from_reference(const HybridComms& comms, const torch::Tensor& q, const torch::Tensor& k,
+                                  const torch::Tensor& v, const torch::Tensor& out, const torch::Tensor& lse) {
+  const int pu = comms.mesh.ulysses;
+  const int64_t shard = q.size(2), half = shard / 2;
+  std::vector<torch::Tensor> order;
+  for (int u = 0; u < pu; ++u) order.push_back(torch::arange(u * shard, u * shard + half));
+  for (int u = pu - 1; u >= 0; --u) order.push_back(torch::arange(u * shard + half, (u + 1) * shard));
+  const torch::Tensor ring_order = torch::cat(order);
+  auto on_ring = [&](const torch::Tensor& t) {
+    return ulysses_seq_to_heads(*comms.ulysses, t.contiguous()).index_select(2, ring_order);
+  };
+  const int64_t kv = ulysses_kv_heads(q.size(1), k.size(1), pu);
+  return {on_ring(q), on_ring(out), on_ring(replicate_kv_heads(k, kv)), on_ring(replicate_kv_heads(v, kv)),
+          on_ring(lse), k.size(1)};
+}
+
 CP_TEST(Lesson11, Task3_BackwardMatchesFullAttentionOnEveryMesh) {
   on_every_mesh([](const HybridComms& comms, const Sequence& x, bool causal, auto mine, const std::string& what) {
-    // out and lse from the oracle: the backward is checked on its own, whatever the forward does.
-    const HybridGrads g = hybrid_attention_backward(comms, mine(x.dout), mine(x.q), mine(x.k), mine(x.v),
-                                                    mine(x.out).to(torch::kFloat), mine(x.lse).to(torch::kFloat),
-                                                    hybrid_options(causal));
+    // What the forward saves, made from the oracle's out and lse: the backward is checked on its
+    // own, whatever the forward does.
+    const UlyssesSaved saved = saved_from_reference(comms, mine(x.q), mine(x.k), mine(x.v), mine(x.out).to(torch::kFloat),
+                                                    mine(x.lse).to(torch::kFloat));
+    const HybridGrads g = hybrid_attention_backward(comms, mine(x.dout), saved, hybrid_options(causal));
     EXPECT_TRUE(all_close(g.dq, mine(x.dq), "dq " + what, kDims, testing::gradient_tolerance(torch::kFloat, x.dq)));
     EXPECT_TRUE(all_close(g.dk, mine(x.dk), "dk " + what, kDims, testing::gradient_tolerance(torch::kFloat, x.dk)));
     EXPECT_TRUE(all_close(g.dv, mine(x.dv), "dv " + what, kDims, testing::gradient_tolerance(torch::kFloat, x.dv)));
@@ -205,10 +226,11 @@ CP_TEST(Lesson11, Task3_TheEndsOfTheMeshAreTheRingAndUlysses) {
   for_each_world([](Comm& comm) {
     const int p = comm.size();
     const EndsInputs x = ends_inputs(comm);
-    // out and lse from lessons 07 and 10, so that only this lesson's backward is under test.
+    // What the forward saves, from lessons 07 and 10, so that only this lesson's backward is under test.
+    const HybridComms ring_mesh = make_hybrid_comms(comm, {1, p}), ulysses_mesh = make_hybrid_comms(comm, {p, 1});
     const RingResult ring = zigzag_ring_attention_forward(comm, x.q, x.k, x.v, ring_options(true));
-    const HybridGrads ring_end = hybrid_attention_backward(make_hybrid_comms(comm, {1, p}), x.dout, x.q, x.k, x.v,
-                                                           ring.out, ring.lse, hybrid_options(true));
+    const HybridGrads ring_end = hybrid_attention_backward(
+        ring_mesh, x.dout, saved_from_reference(ring_mesh, x.q, x.k, x.v, ring.out, ring.lse), hybrid_options(true));
     const RingGrads ring_grads =
         zigzag_ring_attention_backward(comm, x.dout, x.q, x.k, x.v, ring.out, ring.lse, ring_options(true));
     EXPECT_TRUE(torch::equal(ring_end.dq, ring_grads.dq)) << "1 x P dq is lesson 07's" << x.me;
@@ -218,10 +240,10 @@ CP_TEST(Lesson11, Task3_TheEndsOfTheMeshAreTheRingAndUlysses) {
     EXPECT_EQ(ring_end.stats.bytes_ring, ring_grads.stats.bytes_sent) << x.me;
     const UlyssesOptions zigzag = ulysses_options(true, TokenLayout::ZigZag);
     const UlyssesResult ulysses = ulysses_attention_forward(comm, x.q, x.k, x.v, zigzag);
-    const HybridGrads ulysses_end = hybrid_attention_backward(make_hybrid_comms(comm, {p, 1}), x.dout, x.q, x.k, x.v,
-                                                              ulysses.out, ulysses.lse, hybrid_options(true));
-    const UlyssesGrads ulysses_grads =
-        ulysses_attention_backward(comm, x.dout, x.q, x.k, x.v, ulysses.out, ulysses.lse, zigzag);
+    const HybridGrads ulysses_end = hybrid_attention_backward(
+        ulysses_mesh, x.dout, saved_from_reference(ulysses_mesh, x.q, x.k, x.v, ulysses.out, ulysses.lse),
+        hybrid_options(true));
+    const UlyssesGrads ulysses_grads = ulysses_attention_backward(comm, x.dout, ulysses.saved, zigzag);
     for (const auto& [name, got, want] : {std::tuple{"dq", ulysses_end.dq, ulysses_grads.dq},
                                           std::tuple{"dk", ulysses_end.dk, ulysses_grads.dk},
                                           std::tuple{"dv", ulysses_end.dv, ulysses_grads.dv}})
@@ -260,7 +282,7 @@ CP_TEST(Lesson11, Task3_EmptyInputGivesEmptyResults) {
     for (const auto& shape : {std::vector<int64_t>{0, p, 4, 32}, std::vector<int64_t>{1, p, 0, 32}}) {
       const torch::Tensor t = torch::zeros(shape);
       const HybridResult r = hybrid_attention_forward(comms, t, t, t, hybrid_options(true));
-      const HybridGrads g = hybrid_attention_backward(comms, t, t, t, t, r.out, r.lse, hybrid_options(true));
+      const HybridGrads g = hybrid_attention_backward(comms, t, r.saved, hybrid_options(true));
       EXPECT_EQ(r.out.sizes(), t.sizes());
       EXPECT_EQ(r.lse.sizes(), t.sizes().slice(0, 3));
       EXPECT_EQ(g.dk.sizes(), t.sizes());
@@ -295,7 +317,7 @@ CP_TEST(Lesson11, Task3_TraceSpansAreNamedByWorldRank) {
       options.trace = &trace;
       const torch::Tensor t = torch::ones({1, p, 4, 32});
       const HybridResult r = hybrid_attention_forward(comms, t, t, t, options);
-      hybrid_attention_backward(comms, t, t, t, t, r.out, r.lse, options);
+      hybrid_attention_backward(comms, t, r.saved, options);
       EXPECT_EQ(ranks_in_trace(trace, comm.rank()), std::set<int>{comm.rank()}) << where(comm, mesh, "ranks of the trace");
     }
   });
@@ -346,7 +368,7 @@ CP_TEST(Lesson11, Task3_TheStrategySplitsEachCommOnce) {
       SplitCounter counted(comm);
       for (int step = 0; step < 2; ++step) {  // two layer steps: a forward and a backward each
         const StrategyForward f = strategy_forward(counted, q, kv, kv, strategy);
-        strategy_backward(counted, q, q, kv, kv, f.out, f.lse, strategy);
+        strategy_backward(counted, q, f.saved, strategy);
       }
       EXPECT_EQ(counted.splits(), 2) << "Comm " << comm_number << ", rank " << comm.rank() << " of " << p
                                      << ": two steps should split once into the group and once into the ring";
@@ -376,10 +398,14 @@ CP_TEST(Lesson11, Task2_BadInputGivesClearErrors) {
          const torch::Tensor t = torch::zeros({1, 4, comm.rank() == 3 ? 6 : 4, 32});
          hybrid_attention_forward(make_hybrid_comms(comm, {2, 2}), t, t, t);
        }), "Is S divisible by 2P = 8?"},
-      {"dout shorter than q", on_4_ranks([](Comm& comm) {
-         const torch::Tensor t = torch::zeros({1, 4, 4, 32}), lse = torch::zeros({1, 4, 4});
-         hybrid_attention_backward(make_hybrid_comms(comm, {2, 2}), torch::zeros({1, 4, 2, 32}), t, t, t, t, lse);
-       }), "dout, out: expected the shape of q"},
+      {"dout shorter than the forward's q", on_4_ranks([](Comm& comm) {
+         const HybridComms comms = make_hybrid_comms(comm, {2, 2});
+         const torch::Tensor t = torch::zeros({1, 4, 4, 32});
+         hybrid_attention_backward(comms, torch::zeros({1, 4, 2, 32}), hybrid_attention_forward(comms, t, t, t).saved);
+       }), "saved: expected the forward's head split for dout [1, 4, 2, 32] on 2 ranks"},
+      {"no saved tensors", on_4_ranks([](Comm& comm) {
+         hybrid_attention_backward(make_hybrid_comms(comm, {2, 2}), torch::zeros({1, 4, 4, 32}), UlyssesSaved{});
+       }), "saved: empty"},
       {"comms not made", [] {
          const torch::Tensor t = torch::zeros({1, 2, 4, 32});
          hybrid_attention_forward(HybridComms{}, t, t, t);
@@ -404,8 +430,7 @@ CP_TEST(Lesson11Cuda, Task3_ForwardAndBackwardOnCudaOnEveryMesh) {
           const HybridComms comms = make_hybrid_comms(comm, mesh);
           const std::string what = where(comm, mesh, std::string(c10::toString(dtype)) + " D=" + std::to_string(d));
           const HybridResult r = hybrid_attention_forward(comms, on(x.q), on(x.k), on(x.v), hybrid_options(true));
-          const HybridGrads g = hybrid_attention_backward(comms, on(x.dout), on(x.q), on(x.k), on(x.v), r.out, r.lse,
-                                                          hybrid_options(true));
+          const HybridGrads g = hybrid_attention_backward(comms, on(x.dout), r.saved, hybrid_options(true));
           EXPECT_TRUE(all_close(r.out, mine(x.out), "out " + what, kDims));
           EXPECT_TRUE(all_close(r.lse, mine(x.lse), "lse " + what, {"b", "h", "s"}));
           EXPECT_TRUE(all_close(g.dq, mine(x.dq), "dq " + what, kDims, testing::gradient_tolerance(dtype, x.dq)));

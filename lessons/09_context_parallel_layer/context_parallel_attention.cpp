@@ -6,7 +6,10 @@
 
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <algorithm>
+
 #include "common/error.h"
+#include "common/tensor_checks.h"
 
 namespace cp {
 
@@ -48,15 +51,19 @@ Llama3Options llama3_options(Trace* trace) {
 
 /// A ring strategy of lessons 04–07: `forward` and `backward` are the ring functions of a layout.
 template <typename Forward, typename Backward>
-Strategy ring_family(std::string name, TokenLayout layout, Forward forward, Backward backward) {
-  return {std::move(name), layout,
+Strategy ring_family(const std::string& name, TokenLayout layout, Forward forward, Backward backward) {
+  return {name, layout,
           [forward](Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, Trace* trace) {
             const RingResult r = forward(comm, q, k, v, ring_options(true, trace));
-            return StrategyForward{r.out, r.lse, {ring_pairs(r.stats, q.size(0)), r.stats.bytes_sent}};
+            return StrategyForward{r.out, r.lse, {ring_pairs(r.stats, q.size(0)), r.stats.bytes_sent},
+                                   {q, k, v, r.out, r.lse}};
           },
-          [backward](Comm& comm, const torch::Tensor& dout, const torch::Tensor& q, const torch::Tensor& k,
-                     const torch::Tensor& v, const torch::Tensor& out, const torch::Tensor& lse, Trace* trace) {
-            const RingGrads g = backward(comm, dout, q, k, v, out, lse, ring_options(true, trace));
+          [backward, name](Comm& comm, const torch::Tensor& dout, const std::vector<torch::Tensor>& saved,
+                           Trace* trace) {
+            check_saved(saved, 5, name);
+            const torch::Tensor &q = saved[0], &k = saved[1], &v = saved[2];
+            check_attention_inputs(q, k, v);
+            const RingGrads g = backward(comm, dout, q, k, v, saved[3], saved[4], ring_options(true, trace));
             return StrategyBackward{g.dq, g.dk, g.dv, {ring_pairs(g.stats, q.size(0)), g.stats.bytes_sent}};
           }};
 }
@@ -79,11 +86,15 @@ Strategy llama3_strategy(Llama3Mode mode) {
     const torch::Tensor cu = batch_cu_seqlens(batch, seq * comm.size());
     const Llama3Result r = zigzag_llama3_attention_forward(comm, to_packed(q), to_packed(k), to_packed(v), cu, mode,
                                                            llama3_options(trace));
-    return StrategyForward{from_packed(r.out, batch, seq), lse_from_packed(r.lse, batch, seq),
-                           {r.stats.pairs, r.stats.bytes_sent}};
+    const torch::Tensor out = from_packed(r.out, batch, seq), lse = lse_from_packed(r.lse, batch, seq);
+    return StrategyForward{out, lse, {r.stats.pairs, r.stats.bytes_sent}, {q, k, v, out, lse}};
   };
-  auto backward = [mode](Comm& comm, const torch::Tensor& dout, const torch::Tensor& q, const torch::Tensor& k,
-                         const torch::Tensor& v, const torch::Tensor& out, const torch::Tensor& lse, Trace* trace) {
+  const std::string name = mode == Llama3Mode::Fused ? "llama3 fused" : "llama3 two kernels";
+  auto backward = [mode, name](Comm& comm, const torch::Tensor& dout, const std::vector<torch::Tensor>& saved,
+                               Trace* trace) {
+    check_saved(saved, 5, name);
+    const torch::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
+    check_attention_inputs(q, k, v);
     const int64_t batch = q.size(0), seq = q.size(2);
     const torch::Tensor cu = batch_cu_seqlens(batch, seq * comm.size());
     const Llama3Grads g = zigzag_llama3_attention_backward(comm, to_packed(dout), to_packed(q), to_packed(k),
@@ -92,7 +103,7 @@ Strategy llama3_strategy(Llama3Mode mode) {
     return StrategyBackward{from_packed(g.dq, batch, seq), from_packed(g.dk, batch, seq),
                             from_packed(g.dv, batch, seq), {g.stats.pairs, g.stats.bytes_sent}};
   };
-  return {mode == Llama3Mode::Fused ? "llama3 fused" : "llama3 two kernels", TokenLayout::ZigZag, forward, backward};
+  return {name, TokenLayout::ZigZag, forward, backward};
 }
 
 const std::vector<Strategy>& all_strategies() {
@@ -112,11 +123,17 @@ StrategyForward strategy_forward(Comm& comm, const torch::Tensor& q, const torch
   return strategy.forward(comm, q, k, v, trace);
 }
 
-StrategyBackward strategy_backward(Comm& comm, const torch::Tensor& dout, const torch::Tensor& q,
-                                   const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& out,
-                                   const torch::Tensor& lse, const Strategy& strategy, Trace* trace) {
-  check_attention_inputs(q, k, v);
-  return strategy.backward(comm, dout, q, k, v, out, lse, trace);
+StrategyBackward strategy_backward(Comm& comm, const torch::Tensor& dout, const std::vector<torch::Tensor>& saved,
+                                   const Strategy& strategy, Trace* trace) {
+  check_defined(dout, "dout", 4);
+  return strategy.backward(comm, dout, saved, trace);
+}
+
+void check_saved(const std::vector<torch::Tensor>& saved, size_t count, const std::string& strategy) {
+  const bool all_defined = std::all_of(saved.begin(), saved.end(), [](const torch::Tensor& t) { return t.defined(); });
+  CP_CHECK(saved.size() == count && all_defined, "saved: the backward of '", strategy, "' takes the ", count,
+           " tensors its forward returned in StrategyForward::saved; got ", saved.size(),
+           all_defined ? "" : ", not all of them defined");
 }
 
 namespace {
@@ -133,7 +150,8 @@ class ContextParallelAttentionFunction : public torch::autograd::Function<Contex
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v, Comm* comm, const Strategy& strategy) {
     // BEGIN YOUR CODE task 1: the autograd function
-    // TODO(lesson 09, task 1a): run strategy_forward, save what the backward needs (tensors and setup), return out.
+    // TODO(lesson 09, task 1a): run strategy_forward, save what the backward needs (the strategy's saved
+    // tensors and the setup), return out.
     // README, "Task 1 — the autograd function (1a forward, 1b backward)", 1a, and "The capsule".
     (void)ctx, (void)q, (void)k, (void)v, (void)comm, (void)strategy;
     throw NotImplemented("lesson 09, task 1a: the forward of the autograd function");

@@ -32,6 +32,11 @@ struct StrategyForward {
   torch::Tensor out;  ///< [B, Hq, S/N, D], dtype of q
   torch::Tensor lse;  ///< [B, Hq, S/N] float32
   StrategyStats stats;
+  /// What this strategy's backward needs, in the form it wants it; the layer keeps these between
+  /// the passes and hands them to strategy_backward. The ring family and Llama 3: this rank's q,
+  /// k, v, out, lse. Ulysses and the hybrid (lessons 10, 11): the same in their head split, where
+  /// the attention ran, so that the backward does not send them again.
+  std::vector<torch::Tensor> saved;
 };
 
 struct StrategyBackward {
@@ -41,17 +46,17 @@ struct StrategyBackward {
 
 /// A context-parallel attention algorithm, causal, as the layer sees it: how the sequence is
 /// sharded (lesson 07's layouts) and its forward and backward on this rank's shards q
-/// [B, Hq, S/N, D], k, v [B, Hkv, S/N, D]; the backward takes the forward's out and lse. Every
-/// strategy gives the same numbers up to rounding. A value, so that later lessons add their own
-/// (lesson 10's ulysses_strategy, lesson 11's hybrid_strategy) without this lesson knowing them.
+/// [B, Hq, S/N, D], k, v [B, Hkv, S/N, D]; the backward takes the gradient of out and what the
+/// forward saved (StrategyForward::saved). Every strategy gives the same numbers up to rounding.
+/// A value, so that later lessons add their own (lesson 10's ulysses_strategy, lesson 11's
+/// hybrid_strategy) without this lesson knowing them.
 struct Strategy {
   std::string name;
   TokenLayout layout = TokenLayout::Contiguous;
   std::function<StrategyForward(Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                 Trace* trace)>
       forward;
-  std::function<StrategyBackward(Comm& comm, const torch::Tensor& dout, const torch::Tensor& q, const torch::Tensor& k,
-                                 const torch::Tensor& v, const torch::Tensor& out, const torch::Tensor& lse,
+  std::function<StrategyBackward(Comm& comm, const torch::Tensor& dout, const std::vector<torch::Tensor>& saved,
                                  Trace* trace)>
       backward;
 };
@@ -68,12 +73,15 @@ std::string to_string(const Strategy& strategy);
 /// one document).
 TokenLayout layout_of(const Strategy& strategy);
 
-/// strategy.forward and strategy.backward after checking q, k, v (check_attention_inputs).
+/// strategy.forward after checking q, k, v (check_attention_inputs).
 StrategyForward strategy_forward(Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                  const Strategy& strategy, Trace* trace = nullptr);
-StrategyBackward strategy_backward(Comm& comm, const torch::Tensor& dout, const torch::Tensor& q,
-                                   const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& out,
-                                   const torch::Tensor& lse, const Strategy& strategy, Trace* trace = nullptr);
+/// strategy.backward: dout [B, Hq, S/N, D], the gradient of the forward's out, and the forward's
+/// StrategyForward::saved.
+StrategyBackward strategy_backward(Comm& comm, const torch::Tensor& dout, const std::vector<torch::Tensor>& saved,
+                                   const Strategy& strategy, Trace* trace = nullptr);
+/// For a strategy's backward: a cp::Error naming `saved` unless it holds `count` defined tensors.
+void check_saved(const std::vector<torch::Tensor>& saved, size_t count, const std::string& strategy);
 
 /// strategy_forward as a differentiable operation: returns out [B, Hq, S/N, D]; autograd's
 /// backward calls strategy_backward (which communicates: every rank of comm must run it).

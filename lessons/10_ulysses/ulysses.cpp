@@ -58,8 +58,8 @@ UlyssesVolume ulysses_volume(int64_t batch, int64_t heads_q, int64_t heads_kv, i
   const int64_t q = sent(heads_q, head_dim, element_size), k = sent(kv, head_dim, element_size),
                 lse = sent(heads_q, 1, 4);
   UlyssesVolume v;
-  v.forward_bytes = q + 2 * k + q + lse;             // q, k, v in; out, lse back
-  v.backward_bytes = 3 * q + 2 * k + lse + q + 2 * k;  // q, out, dout, k, v, lse in; dq, dk, dv back
+  v.forward_bytes = q + 2 * k + q + lse;  // q, k, v in; out, lse back
+  v.backward_bytes = q + q + 2 * k;        // dout in; dq, dk, dv back
   return v;
 }
 
@@ -80,6 +80,27 @@ torch::Tensor gathered_positions(const UlyssesOptions& options, int64_t chunk, i
 }
 
 }  // namespace
+
+void check_ulysses_saved(Comm& comm, const torch::Tensor& dout, const UlyssesSaved& saved) {
+  check_defined(dout, "dout", 4);
+  const int p = comm.size();
+  check_same_on_every_rank(comm, dout, "dout");
+  const auto fits = [](const torch::Tensor& t, std::vector<int64_t> shape) { return t.defined() && t.sizes() == shape; };
+  const int64_t b = dout.size(0), hq = dout.size(1), s = dout.size(2) * p, d = dout.size(3);
+  CP_CHECK(hq % p == 0, "dout: the head count ", hq, " (dim 1) must be divisible by the ", p, " ranks");
+  CP_CHECK(saved.q.defined() && saved.heads_kv >= 1,
+           "saved: empty; pass what the forward kept for this dout (UlyssesResult::saved)");
+  CP_CHECK(hq % saved.heads_kv == 0, "saved: heads_kv = ", saved.heads_kv, " does not divide dout's Hq = ", hq,
+           " (UlyssesResult::saved of another call?)");
+  const int64_t kv = ulysses_kv_heads(hq, saved.heads_kv, p) / p;
+  CP_CHECK(fits(saved.q, {b, hq / p, s, d}) && fits(saved.out, {b, hq / p, s, d}) && fits(saved.k, {b, kv, s, d}) &&
+               fits(saved.v, {b, kv, s, d}) && fits(saved.lse, {b, hq / p, s}),
+           "saved: expected the forward's head split for dout ", dout.sizes(), " on ", p, " ranks: q, out [", b, ", ",
+           hq / p, ", ", s, ", ", d, "], k, v [", b, ", ", kv, ", ", s, ", ", d, "], lse [", b, ", ", hq / p, ", ", s,
+           "] (UlyssesResult::saved)");
+  CP_CHECK(saved.q.scalar_type() == dout.scalar_type() && saved.lse.scalar_type() == torch::kFloat,
+           "saved: q must have dout's dtype ", dout.dtype(), " and lse float32 (UlyssesResult::saved)");
+}
 
 torch::Tensor replicate_kv_heads(const torch::Tensor& t, int64_t heads) {
   return heads == t.size(1) ? t : t.repeat_interleave(heads / t.size(1), 1);
@@ -105,28 +126,25 @@ UlyssesResult ulysses_attention_forward(Comm& comm, const torch::Tensor& q, cons
   UlyssesResult result;
   // BEGIN YOUR CODE task 2: the forward
   // TODO(lesson 10, task 2): q, k, v (K/V with kv_heads heads) to head-sharded; attention over the whole
-  // sequence with the positions `pos`; out and lse back to sequence-sharded; count the bytes. README, "Task 2".
+  // sequence with the positions `pos`; out and lse back to sequence-sharded; keep what the backward needs in
+  // result.saved; count the bytes. README, "Task 2".
   (void)kv_heads, (void)rank, (void)pos;
   throw NotImplemented("lesson 10, task 2: ulysses_attention_forward");
   // END YOUR CODE
   return result;
 }
 
-UlyssesGrads ulysses_attention_backward(Comm& comm, const torch::Tensor& dout, const torch::Tensor& q,
-                                        const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& out,
-                                        const torch::Tensor& lse, const UlyssesOptions& options) {
-  const int64_t kv_heads = check_ulysses_inputs(comm, q, k, v);
-  CP_CHECK(dout.defined() && out.defined() && dout.sizes() == q.sizes() && out.sizes() == q.sizes(),
-           "dout, out: expected the shape of q ", q.sizes());
-  CP_CHECK(lse.defined() && lse.dim() == 3 && lse.sizes() == q.sizes().slice(0, 3),
-           "lse: expected [B, Hq, S/N] = ", q.sizes().slice(0, 3));
+UlyssesGrads ulysses_attention_backward(Comm& comm, const torch::Tensor& dout, const UlyssesSaved& saved,
+                                        const UlyssesOptions& options) {
+  check_ulysses_saved(comm, dout, saved);
   const int rank = comm.rank(), p = comm.size();
-  const torch::Tensor pos = gathered_positions(options, q.size(2), p, q.device());
+  const torch::Tensor pos = gathered_positions(options, dout.size(2), p, dout.device());
   UlyssesGrads grads;
   // BEGIN YOUR CODE task 3: the backward
-  // TODO(lesson 10, task 3): everything to head-sharded, lesson 05's block backward over the whole sequence,
-  // dq, dk, dv back (dk, dv summed over the replicas of a K/V head); count the bytes. README, "Task 3".
-  (void)kv_heads, (void)rank, (void)pos;
+  // TODO(lesson 10, task 3): dout to the head split, lesson 05's block backward over the whole sequence with
+  // what the forward saved, dq, dk, dv back (dk, dv summed over the replicas of a K/V head); count the
+  // bytes. README, "Task 3".
+  (void)rank, (void)p, (void)pos, (void)saved;
   throw NotImplemented("lesson 10, task 3: ulysses_attention_backward");
   // END YOUR CODE
   return grads;
@@ -135,21 +153,31 @@ UlyssesGrads ulysses_attention_backward(Comm& comm, const torch::Tensor& dout, c
 Strategy ulysses_strategy() {
   // Work per rank, in the unit of the other strategies (pairs of one head): H/P heads of the whole
   // S × S block (masked pairs included, as the ring counts its blocks) is S·S/P pairs of one head.
-  auto pairs = [](const Comm& comm, const torch::Tensor& q) {
-    const int64_t s = q.size(2) * comm.size();
-    return q.size(0) * s * s / comm.size();
+  auto pairs = [](const Comm& comm, int64_t batch, int64_t chunk) {
+    const int64_t s = chunk * comm.size();
+    return batch * s * s / comm.size();
   };
   return {"ulysses", TokenLayout::Contiguous,
           [pairs](Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, Trace* trace) {
             const UlyssesResult r = ulysses_attention_forward(comm, q, k, v, ulysses_options(true, TokenLayout::Contiguous, trace));
-            return StrategyForward{r.out, r.lse, {pairs(comm, q), r.stats.bytes_sent}};
+            return StrategyForward{r.out, r.lse, {pairs(comm, q.size(0), q.size(2)), r.stats.bytes_sent},
+                                   to_saved_tensors(r.saved)};
           },
-          [pairs](Comm& comm, const torch::Tensor& dout, const torch::Tensor& q, const torch::Tensor& k,
-                  const torch::Tensor& v, const torch::Tensor& out, const torch::Tensor& lse, Trace* trace) {
-            const UlyssesGrads g = ulysses_attention_backward(comm, dout, q, k, v, out, lse,
+          [pairs](Comm& comm, const torch::Tensor& dout, const std::vector<torch::Tensor>& saved, Trace* trace) {
+            const UlyssesGrads g = ulysses_attention_backward(comm, dout, from_saved_tensors(saved),
                                                               ulysses_options(true, TokenLayout::Contiguous, trace));
-            return StrategyBackward{g.dq, g.dk, g.dv, {pairs(comm, q), g.stats.bytes_sent}};
+            return StrategyBackward{g.dq, g.dk, g.dv, {pairs(comm, dout.size(0), dout.size(2)), g.stats.bytes_sent}};
           }};
+}
+
+std::vector<torch::Tensor> to_saved_tensors(const UlyssesSaved& saved) {
+  // Autograd keeps tensors: Hkv travels as a 0-dim int64 tensor.
+  return {saved.q, saved.out, saved.k, saved.v, saved.lse, torch::tensor(saved.heads_kv)};
+}
+
+UlyssesSaved from_saved_tensors(const std::vector<torch::Tensor>& saved) {
+  check_saved(saved, 6, "ulysses");
+  return {saved[0], saved[1], saved[2], saved[3], saved[4], saved[5].item<int64_t>()};
 }
 
 }  // namespace cp

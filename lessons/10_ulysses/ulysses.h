@@ -9,6 +9,7 @@
 #include <torch/types.h>
 
 #include <optional>
+#include <vector>
 
 #include "common/comm.h"
 #include "common/trace.h"
@@ -70,8 +71,9 @@ struct UlyssesStats {
 
 /// The bytes one rank sends, from the formula: each all-to-all of a [B, H, S/P, D] tensor keeps
 /// 1/P of it and sends the rest, (P−1)/P · B·H·(S/P)·D elements. Forward: q, k, v in (K/V with
-/// ulysses_kv_heads heads), out and lse back. Backward: q, k, v, out, dout and lse in, dq, dk, dv
-/// back. `element_size` is the size of one element of q (lse is float32).
+/// ulysses_kv_heads heads), out and lse back. Backward: dout in, dq, dk, dv back (the rest it
+/// needs the forward kept in the head split, UlyssesSaved). `element_size` is the size of one
+/// element of q (lse is float32).
 struct UlyssesVolume {
   int64_t forward_bytes = 0;
   int64_t backward_bytes = 0;
@@ -79,11 +81,23 @@ struct UlyssesVolume {
 UlyssesVolume ulysses_volume(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t seq, int64_t head_dim,
                              int world, int64_t element_size);
 
+/// What the backward needs, kept by the forward in the head split where the attention ran: a
+/// head-split tensor holds as many elements as its sequence shard, so keeping these instead of
+/// q, k, v, out, lse costs no memory (except K/V heads replicated for P > Hkv), and the backward
+/// does not send them again.
+struct UlyssesSaved {
+  torch::Tensor q, out;  ///< [B, Hq/P, S, D], dtype of q
+  torch::Tensor k, v;    ///< [B, kv/P, S, D] with kv = ulysses_kv_heads(Hq, Hkv, P): replicas included
+  torch::Tensor lse;     ///< [B, Hq/P, S] float32
+  int64_t heads_kv = 0;  ///< Hkv of the caller's k and v: the backward sums the gradients of the replicas
+};
+
 /// This rank's share of full attention over the whole sequence.
 struct UlyssesResult {
   torch::Tensor out;  ///< [B, Hq, S/P, D], dtype of q
   torch::Tensor lse;  ///< [B, Hq, S/P] float32
   UlyssesStats stats;
+  UlyssesSaved saved;  ///< for ulysses_attention_backward
 };
 
 /// Task 2. Ulysses attention forward.
@@ -96,20 +110,31 @@ UlyssesResult ulysses_attention_forward(Comm& comm, const torch::Tensor& q, cons
 
 /// This rank's gradients of full attention over the whole sequence.
 struct UlyssesGrads {
-  torch::Tensor dq, dk, dv;  ///< shapes and dtypes of q, k, v
+  torch::Tensor dq, dk, dv;  ///< [B, Hq, S/P, D] and [B, Hkv, S/P, D], dtype of q
   UlyssesStats stats;
 };
 
-/// Task 3. Ulysses attention backward: q, k, v, out, lse are this rank's shards and the forward's
-/// results, dout the gradient of this rank's out. The same exchanges as the forward, transposed:
-/// everything to head-sharded, lesson 05's block backward over the whole sequence, dq, dk, dv back
-/// to sequence-sharded (dk, dv of replicated K/V heads summed over their replicas).
-UlyssesGrads ulysses_attention_backward(Comm& comm, const torch::Tensor& dout, const torch::Tensor& q,
-                                        const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& out,
-                                        const torch::Tensor& lse, const UlyssesOptions& options = {});
+/// The checks of a backward (ulysses_attention_backward, lesson 11's hybrid): dout is defined,
+/// 4-D and the same on every rank of `comm`, and `saved` is the head split of a forward for it
+/// over comm's P ranks; a cp::Error names `dout` or `saved` otherwise.
+void check_ulysses_saved(Comm& comm, const torch::Tensor& dout, const UlyssesSaved& saved);
+
+/// Task 3. Ulysses attention backward: dout [B, Hq, S/P, D] is the gradient of this rank's out,
+/// `saved` what the forward kept (UlyssesResult::saved), options the forward's. The forward's
+/// exchanges transposed: dout to the head split, lesson 05's block backward over the whole
+/// sequence, dq, dk, dv back to the sequence split (dk, dv of replicated K/V heads summed over
+/// their replicas). A cp::Error names `saved` or `dout` when they do not fit each other.
+UlyssesGrads ulysses_attention_backward(Comm& comm, const torch::Tensor& dout, const UlyssesSaved& saved,
+                                        const UlyssesOptions& options = {});
 
 /// Ulysses as a strategy of lesson 09's layer (causal, contiguous shards): the layer and its
-/// training step run with it as with the ring.
+/// training step run with it as with the ring. Its StrategyForward::saved is the forward's
+/// UlyssesSaved, as to_saved_tensors packs it.
 Strategy ulysses_strategy();
+
+/// UlyssesSaved as the tensors a strategy saves (q, out, k, v, lse, and Hkv as a 0-dim int64
+/// tensor), and back; from_saved_tensors gives a cp::Error naming `saved` for anything else.
+std::vector<torch::Tensor> to_saved_tensors(const UlyssesSaved& saved);
+UlyssesSaved from_saved_tensors(const std::vector<torch::Tensor>& saved);
 
 }  // namespace cp

@@ -111,32 +111,28 @@ HybridResult hybrid_attention_forward(const HybridComms& comms, const torch::Ten
   HybridResult result;
   // BEGIN YOUR CODE task 2: the forward
   // TODO(lesson 11, task 2): Ulysses in (lesson 10), tokens into the ring's zig-zag order, lesson 07's
-  // zig-zag ring over comms.ring with ring_opts, back out; count the bytes of both; trace spans under
-  // `rank`. README, "Task 2".
+  // zig-zag ring over comms.ring with ring_opts, back out; keep what the ring ran on in result.saved; count
+  // the bytes of both; trace spans under `rank`. README, "Task 2".
   (void)kv_heads, (void)group, (void)order, (void)ring_opts, (void)rank, (void)options;
   throw NotImplemented("lesson 11, task 2: hybrid_attention_forward");
   // END YOUR CODE
   return result;
 }
 
-HybridGrads hybrid_attention_backward(const HybridComms& comms, const torch::Tensor& dout, const torch::Tensor& q,
-                                      const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& out,
-                                      const torch::Tensor& lse, const HybridOptions& options) {
-  const int64_t kv_heads = check_hybrid_inputs(comms, q, k, v);
-  CP_CHECK(dout.defined() && out.defined() && dout.sizes() == q.sizes() && out.sizes() == q.sizes(),
-           "dout, out: expected the shape of q ", q.sizes());
-  CP_CHECK(lse.defined() && lse.sizes() == q.sizes().slice(0, 3), "lse: expected [B, Hq, S/P] = ",
-           q.sizes().slice(0, 3));
+HybridGrads hybrid_attention_backward(const HybridComms& comms, const torch::Tensor& dout, const UlyssesSaved& saved,
+                                      const HybridOptions& options) {
+  CP_CHECK(comms.ulysses && comms.ring, "comms: make them with make_hybrid_comms");
   Comm& group = *comms.ulysses;
-  const torch::Tensor order = zigzag_order(comms.mesh.ulysses, q.size(2), q.device());
+  check_ulysses_saved(group, dout, saved);
+  check_same_on_every_rank(*comms.ring, dout, "dout");
+  const torch::Tensor order = zigzag_order(comms.mesh.ulysses, dout.size(2), dout.device());
   const RingOptions ring_opts = ring_options_of(options, comms);
   const int rank = world_rank(comms);
   HybridGrads grads;
   // BEGIN YOUR CODE task 3: the backward
-  // TODO(lesson 11, task 3): the forward's exchanges around lesson 07's zig-zag ring backward; dk, dv of
-  // replicated K/V heads summed. README, "Task 3".
-  (void)kv_heads, (void)group, (void)order, (void)ring_opts, (void)rank, (void)options, (void)dout,
-  (void)out, (void)lse;
+  // TODO(lesson 11, task 3): dout the way of the forward's q, lesson 07's zig-zag ring backward on what the
+  // forward saved, dq, dk, dv back; dk, dv of replicated K/V heads summed. README, "Task 3".
+  (void)group, (void)order, (void)ring_opts, (void)rank, (void)options, (void)dout, (void)saved;
   throw NotImplemented("lesson 11, task 3: hybrid_attention_backward");
   // END YOUR CODE
   return grads;
@@ -191,14 +187,14 @@ Strategy hybrid_strategy(HybridMesh mesh) {
             options.causal = true;
             options.trace = trace;
             const HybridResult r = hybrid_attention_forward(meshes->of(comm), q, k, v, options);
-            return StrategyForward{r.out, r.lse, {r.stats.pairs, r.stats.bytes_ulysses + r.stats.bytes_ring}};
+            return StrategyForward{r.out, r.lse, {r.stats.pairs, r.stats.bytes_ulysses + r.stats.bytes_ring},
+                                   to_saved_tensors(r.saved)};
           },
-          [meshes](Comm& comm, const torch::Tensor& dout, const torch::Tensor& q, const torch::Tensor& k,
-                   const torch::Tensor& v, const torch::Tensor& out, const torch::Tensor& lse, Trace* trace) {
+          [meshes](Comm& comm, const torch::Tensor& dout, const std::vector<torch::Tensor>& saved, Trace* trace) {
             HybridOptions options;
             options.causal = true;
             options.trace = trace;
-            const HybridGrads g = hybrid_attention_backward(meshes->of(comm), dout, q, k, v, out, lse, options);
+            const HybridGrads g = hybrid_attention_backward(meshes->of(comm), dout, from_saved_tensors(saved), options);
             return StrategyBackward{g.dq, g.dk, g.dv, {g.stats.pairs, g.stats.bytes_ulysses + g.stats.bytes_ring}};
           }};
 }

@@ -71,6 +71,9 @@ struct HybridResult {
   torch::Tensor out;  ///< [B, Hq, S/P, D], dtype of q
   torch::Tensor lse;  ///< [B, Hq, S/P] float32
   HybridStats stats;
+  /// For hybrid_attention_backward: what the ring ran on, q, k, v, out, lse in the group's head
+  /// split (lesson 10's UlyssesSaved over the P_u ranks of the group), in the ring's zig-zag order.
+  UlyssesSaved saved;
 };
 
 struct HybridGrads {
@@ -91,16 +94,17 @@ struct HybridGrads {
 HybridResult hybrid_attention_forward(const HybridComms& comms, const torch::Tensor& q, const torch::Tensor& k,
                                       const torch::Tensor& v, const HybridOptions& options = {});
 
-/// Task 3. Hybrid attention backward: the forward's exchanges transposed around lesson 07's
-/// zig-zag ring backward; dk, dv of K/V heads replicated for the group are summed over their
-/// copies. q, k, v, out, lse are this rank's shards and the forward's results, dout the gradient
-/// of this rank's out; dtypes and errors as the forward (and dout, out, lse of the wrong shape).
-HybridGrads hybrid_attention_backward(const HybridComms& comms, const torch::Tensor& dout, const torch::Tensor& q,
-                                      const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& out,
-                                      const torch::Tensor& lse, const HybridOptions& options = {});
+/// Task 3. Hybrid attention backward: dout [B, Hq, S/P, D] to the group's head split and the
+/// ring's order, lesson 07's zig-zag ring backward on what the forward saved
+/// (HybridResult::saved), dq, dk, dv back; dk, dv of K/V heads replicated for the group are
+/// summed over their copies. options are the forward's. A cp::Error names `dout` or `saved`
+/// when they do not fit each other (check_ulysses_saved over the group).
+HybridGrads hybrid_attention_backward(const HybridComms& comms, const torch::Tensor& dout, const UlyssesSaved& saved,
+                                      const HybridOptions& options = {});
 
 /// The hybrid on `mesh` as a strategy of lesson 09's layer (causal, zig-zag shards); its name
-/// says the mesh, P_u x P_r ("hybrid 2x2").
+/// says the mesh, P_u x P_r ("hybrid 2x2"). Its StrategyForward::saved is the forward's
+/// HybridResult::saved, packed by to_saved_tensors (lesson 10).
 Strategy hybrid_strategy(HybridMesh mesh);
 
 }  // namespace cp

@@ -4,7 +4,10 @@
 
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <algorithm>
+
 #include "common/error.h"
+#include "common/tensor_checks.h"
 
 namespace cp {
 
@@ -46,15 +49,19 @@ Llama3Options llama3_options(Trace* trace) {
 
 /// A ring strategy of lessons 04–07: `forward` and `backward` are the ring functions of a layout.
 template <typename Forward, typename Backward>
-Strategy ring_family(std::string name, TokenLayout layout, Forward forward, Backward backward) {
-  return {std::move(name), layout,
+Strategy ring_family(const std::string& name, TokenLayout layout, Forward forward, Backward backward) {
+  return {name, layout,
           [forward](Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, Trace* trace) {
             const RingResult r = forward(comm, q, k, v, ring_options(true, trace));
-            return StrategyForward{r.out, r.lse, {ring_pairs(r.stats, q.size(0)), r.stats.bytes_sent}};
+            return StrategyForward{r.out, r.lse, {ring_pairs(r.stats, q.size(0)), r.stats.bytes_sent},
+                                   {q, k, v, r.out, r.lse}};
           },
-          [backward](Comm& comm, const torch::Tensor& dout, const torch::Tensor& q, const torch::Tensor& k,
-                     const torch::Tensor& v, const torch::Tensor& out, const torch::Tensor& lse, Trace* trace) {
-            const RingGrads g = backward(comm, dout, q, k, v, out, lse, ring_options(true, trace));
+          [backward, name](Comm& comm, const torch::Tensor& dout, const std::vector<torch::Tensor>& saved,
+                           Trace* trace) {
+            check_saved(saved, 5, name);
+            const torch::Tensor &q = saved[0], &k = saved[1], &v = saved[2];
+            check_attention_inputs(q, k, v);
+            const RingGrads g = backward(comm, dout, q, k, v, saved[3], saved[4], ring_options(true, trace));
             return StrategyBackward{g.dq, g.dk, g.dv, {ring_pairs(g.stats, q.size(0)), g.stats.bytes_sent}};
           }};
 }
@@ -77,11 +84,15 @@ Strategy llama3_strategy(Llama3Mode mode) {
     const torch::Tensor cu = batch_cu_seqlens(batch, seq * comm.size());
     const Llama3Result r = zigzag_llama3_attention_forward(comm, to_packed(q), to_packed(k), to_packed(v), cu, mode,
                                                            llama3_options(trace));
-    return StrategyForward{from_packed(r.out, batch, seq), lse_from_packed(r.lse, batch, seq),
-                           {r.stats.pairs, r.stats.bytes_sent}};
+    const torch::Tensor out = from_packed(r.out, batch, seq), lse = lse_from_packed(r.lse, batch, seq);
+    return StrategyForward{out, lse, {r.stats.pairs, r.stats.bytes_sent}, {q, k, v, out, lse}};
   };
-  auto backward = [mode](Comm& comm, const torch::Tensor& dout, const torch::Tensor& q, const torch::Tensor& k,
-                         const torch::Tensor& v, const torch::Tensor& out, const torch::Tensor& lse, Trace* trace) {
+  const std::string name = mode == Llama3Mode::Fused ? "llama3 fused" : "llama3 two kernels";
+  auto backward = [mode, name](Comm& comm, const torch::Tensor& dout, const std::vector<torch::Tensor>& saved,
+                               Trace* trace) {
+    check_saved(saved, 5, name);
+    const torch::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
+    check_attention_inputs(q, k, v);
     const int64_t batch = q.size(0), seq = q.size(2);
     const torch::Tensor cu = batch_cu_seqlens(batch, seq * comm.size());
     const Llama3Grads g = zigzag_llama3_attention_backward(comm, to_packed(dout), to_packed(q), to_packed(k),
@@ -90,7 +101,7 @@ Strategy llama3_strategy(Llama3Mode mode) {
     return StrategyBackward{from_packed(g.dq, batch, seq), from_packed(g.dk, batch, seq),
                             from_packed(g.dv, batch, seq), {g.stats.pairs, g.stats.bytes_sent}};
   };
-  return {mode == Llama3Mode::Fused ? "llama3 fused" : "llama3 two kernels", TokenLayout::ZigZag, forward, backward};
+  return {name, TokenLayout::ZigZag, forward, backward};
 }
 
 const std::vector<Strategy>& all_strategies() {
@@ -110,11 +121,17 @@ StrategyForward strategy_forward(Comm& comm, const torch::Tensor& q, const torch
   return strategy.forward(comm, q, k, v, trace);
 }
 
-StrategyBackward strategy_backward(Comm& comm, const torch::Tensor& dout, const torch::Tensor& q,
-                                   const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& out,
-                                   const torch::Tensor& lse, const Strategy& strategy, Trace* trace) {
-  check_attention_inputs(q, k, v);
-  return strategy.backward(comm, dout, q, k, v, out, lse, trace);
+StrategyBackward strategy_backward(Comm& comm, const torch::Tensor& dout, const std::vector<torch::Tensor>& saved,
+                                   const Strategy& strategy, Trace* trace) {
+  check_defined(dout, "dout", 4);
+  return strategy.backward(comm, dout, saved, trace);
+}
+
+void check_saved(const std::vector<torch::Tensor>& saved, size_t count, const std::string& strategy) {
+  const bool all_defined = std::all_of(saved.begin(), saved.end(), [](const torch::Tensor& t) { return t.defined(); });
+  CP_CHECK(saved.size() == count && all_defined, "saved: the backward of '", strategy, "' takes the ", count,
+           " tensors its forward returned in StrategyForward::saved; got ", saved.size(),
+           all_defined ? "" : ", not all of them defined");
 }
 
 namespace {
@@ -131,15 +148,15 @@ class ContextParallelAttentionFunction : public torch::autograd::Function<Contex
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v, Comm* comm, const Strategy& strategy) {
     // BEGIN SOLUTION task 1: the autograd function
-    // STUB: // TODO(lesson 09, task 1a): run strategy_forward, save what the backward needs (tensors and setup), return out.
+    // STUB: // TODO(lesson 09, task 1a): run strategy_forward, save what the backward needs (the strategy's saved
+    // STUB: // tensors and the setup), return out.
     // STUB: // README, "Task 1 — the autograd function (1a forward, 1b backward)", 1a, and "The capsule".
     // STUB: (void)ctx, (void)q, (void)k, (void)v, (void)comm, (void)strategy;
     // STUB: throw NotImplemented("lesson 09, task 1a: the forward of the autograd function");
-    const torch::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
-    const StrategyForward f = strategy_forward(*comm, qc, kc, vc, strategy);
-    // Only this rank's shards and results: the gathered or circulated K/V are rebuilt in the
-    // backward, which is what keeps the memory per rank O(S/N).
-    ctx->save_for_backward({qc, kc, vc, f.out, f.lse});
+    const StrategyForward f = strategy_forward(*comm, q.contiguous(), k.contiguous(), v.contiguous(), strategy);
+    // What the strategy asks for: this rank's shards and results, or their head split; never the
+    // gathered or circulated K/V, which the backward rebuilds: the memory per rank stays O(S/N).
+    ctx->save_for_backward(f.saved);
     ctx->saved_data["setup"] = c10::IValue::make_capsule(c10::make_intrusive<AttentionSetup>(comm, strategy));
     return f.out;
     // END SOLUTION
@@ -152,10 +169,9 @@ class ContextParallelAttentionFunction : public torch::autograd::Function<Contex
     // STUB: // README, "Task 1 — the autograd function (1a forward, 1b backward)", 1b, and "The capsule".
     // STUB: (void)ctx, (void)grad_outputs;
     // STUB: throw NotImplemented("lesson 09, task 1b: the backward of the autograd function");
-    const torch::autograd::variable_list saved = ctx->get_saved_variables();
     const auto setup = c10::static_intrusive_pointer_cast<AttentionSetup>(ctx->saved_data["setup"].toCapsule());
-    const StrategyBackward g = strategy_backward(*setup->comm, grad_outputs[0].contiguous(), saved[0], saved[1],
-                                                 saved[2], saved[3], saved[4], setup->strategy);
+    const StrategyBackward g = strategy_backward(*setup->comm, grad_outputs[0].contiguous(),
+                                                 ctx->get_saved_variables(), setup->strategy);
     return {g.dq, g.dk, g.dv, torch::Tensor(), torch::Tensor()};
     // END SOLUTION
   }

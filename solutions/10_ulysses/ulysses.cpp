@@ -69,8 +69,8 @@ UlyssesVolume ulysses_volume(int64_t batch, int64_t heads_q, int64_t heads_kv, i
   const int64_t q = sent(heads_q, head_dim, element_size), k = sent(kv, head_dim, element_size),
                 lse = sent(heads_q, 1, 4);
   UlyssesVolume v;
-  v.forward_bytes = q + 2 * k + q + lse;             // q, k, v in; out, lse back
-  v.backward_bytes = 3 * q + 2 * k + lse + q + 2 * k;  // q, out, dout, k, v, lse in; dq, dk, dv back
+  v.forward_bytes = q + 2 * k + q + lse;  // q, k, v in; out, lse back
+  v.backward_bytes = q + q + 2 * k;        // dout in; dq, dk, dv back
   return v;
 }
 
@@ -91,6 +91,27 @@ torch::Tensor gathered_positions(const UlyssesOptions& options, int64_t chunk, i
 }
 
 }  // namespace
+
+void check_ulysses_saved(Comm& comm, const torch::Tensor& dout, const UlyssesSaved& saved) {
+  check_defined(dout, "dout", 4);
+  const int p = comm.size();
+  check_same_on_every_rank(comm, dout, "dout");
+  const auto fits = [](const torch::Tensor& t, std::vector<int64_t> shape) { return t.defined() && t.sizes() == shape; };
+  const int64_t b = dout.size(0), hq = dout.size(1), s = dout.size(2) * p, d = dout.size(3);
+  CP_CHECK(hq % p == 0, "dout: the head count ", hq, " (dim 1) must be divisible by the ", p, " ranks");
+  CP_CHECK(saved.q.defined() && saved.heads_kv >= 1,
+           "saved: empty; pass what the forward kept for this dout (UlyssesResult::saved)");
+  CP_CHECK(hq % saved.heads_kv == 0, "saved: heads_kv = ", saved.heads_kv, " does not divide dout's Hq = ", hq,
+           " (UlyssesResult::saved of another call?)");
+  const int64_t kv = ulysses_kv_heads(hq, saved.heads_kv, p) / p;
+  CP_CHECK(fits(saved.q, {b, hq / p, s, d}) && fits(saved.out, {b, hq / p, s, d}) && fits(saved.k, {b, kv, s, d}) &&
+               fits(saved.v, {b, kv, s, d}) && fits(saved.lse, {b, hq / p, s}),
+           "saved: expected the forward's head split for dout ", dout.sizes(), " on ", p, " ranks: q, out [", b, ", ",
+           hq / p, ", ", s, ", ", d, "], k, v [", b, ", ", kv, ", ", s, ", ", d, "], lse [", b, ", ", hq / p, ", ", s,
+           "] (UlyssesResult::saved)");
+  CP_CHECK(saved.q.scalar_type() == dout.scalar_type() && saved.lse.scalar_type() == torch::kFloat,
+           "saved: q must have dout's dtype ", dout.dtype(), " and lse float32 (UlyssesResult::saved)");
+}
 
 torch::Tensor replicate_kv_heads(const torch::Tensor& t, int64_t heads) {
   return heads == t.size(1) ? t : t.repeat_interleave(heads / t.size(1), 1);
@@ -116,7 +137,8 @@ UlyssesResult ulysses_attention_forward(Comm& comm, const torch::Tensor& q, cons
   UlyssesResult result;
   // BEGIN SOLUTION task 2: the forward
   // STUB: // TODO(lesson 10, task 2): q, k, v (K/V with kv_heads heads) to head-sharded; attention over the whole
-  // STUB: // sequence with the positions `pos`; out and lse back to sequence-sharded; count the bytes. README, "Task 2".
+  // STUB: // sequence with the positions `pos`; out and lse back to sequence-sharded; keep what the backward needs in
+  // STUB: // result.saved; count the bytes. README, "Task 2".
   // STUB: (void)kv_heads, (void)rank, (void)pos;
   // STUB: throw NotImplemented("lesson 10, task 2: ulysses_attention_forward");
   const torch::Tensor k_all = replicate_kv_heads(k, kv_heads).contiguous(), v_all = replicate_kv_heads(v, kv_heads).contiguous();
@@ -138,48 +160,43 @@ UlyssesResult ulysses_attention_forward(Comm& comm, const torch::Tensor& q, cons
     result.lse = ulysses_heads_to_seq(comm, heads.lse);
   }
   for (const torch::Tensor& t : {q, k_all, v_all, result.out, result.lse}) result.stats.bytes_sent += all_to_all_bytes(t, p);
+  result.saved = {qh, heads.out, kh, vh, heads.lse, k.size(1)};
   // END SOLUTION
   return result;
 }
 
-UlyssesGrads ulysses_attention_backward(Comm& comm, const torch::Tensor& dout, const torch::Tensor& q,
-                                        const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& out,
-                                        const torch::Tensor& lse, const UlyssesOptions& options) {
-  const int64_t kv_heads = check_ulysses_inputs(comm, q, k, v);
-  CP_CHECK(dout.defined() && out.defined() && dout.sizes() == q.sizes() && out.sizes() == q.sizes(),
-           "dout, out: expected the shape of q ", q.sizes());
-  CP_CHECK(lse.defined() && lse.dim() == 3 && lse.sizes() == q.sizes().slice(0, 3),
-           "lse: expected [B, Hq, S/N] = ", q.sizes().slice(0, 3));
+UlyssesGrads ulysses_attention_backward(Comm& comm, const torch::Tensor& dout, const UlyssesSaved& saved,
+                                        const UlyssesOptions& options) {
+  check_ulysses_saved(comm, dout, saved);
   const int rank = comm.rank(), p = comm.size();
-  const torch::Tensor pos = gathered_positions(options, q.size(2), p, q.device());
+  const torch::Tensor pos = gathered_positions(options, dout.size(2), p, dout.device());
   UlyssesGrads grads;
   // BEGIN SOLUTION task 3: the backward
-  // STUB: // TODO(lesson 10, task 3): everything to head-sharded, lesson 05's block backward over the whole sequence,
-  // STUB: // dq, dk, dv back (dk, dv summed over the replicas of a K/V head); count the bytes. README, "Task 3".
-  // STUB: (void)kv_heads, (void)rank, (void)pos;
+  // STUB: // TODO(lesson 10, task 3): dout to the head split, lesson 05's block backward over the whole sequence with
+  // STUB: // what the forward saved, dq, dk, dv back (dk, dv summed over the replicas of a K/V head); count the
+  // STUB: // bytes. README, "Task 3".
+  // STUB: (void)rank, (void)p, (void)pos, (void)saved;
   // STUB: throw NotImplemented("lesson 10, task 3: ulysses_attention_backward");
-  const torch::Tensor k_all = replicate_kv_heads(k, kv_heads).contiguous(), v_all = replicate_kv_heads(v, kv_heads).contiguous();
-  std::vector<torch::Tensor> heads;  // q, k, v, out, dout, lse as [B, H/P, S, ...]
+  torch::Tensor dout_heads;
   {
-    TraceSpan span(options.trace, rank, "comm", "all-to-all q, k, v, out, dout, lse");
-    for (const torch::Tensor& t : {q.contiguous(), k_all, v_all, out.contiguous(), dout.contiguous(), lse.contiguous()}) {
-      heads.push_back(ulysses_seq_to_heads(comm, t));
-      grads.stats.bytes_sent += all_to_all_bytes(t, p);
-    }
+    TraceSpan span(options.trace, rank, "comm", "all-to-all dout");
+    dout_heads = ulysses_seq_to_heads(comm, dout.contiguous());
+    grads.stats.bytes_sent += all_to_all_bytes(dout, p);
   }
   AttnGrads g;
   {
     TraceSpan span(options.trace, rank, "compute", "backward over the whole sequence");
-    g = attention_block_backward(heads[4], heads[0], heads[1], heads[2], heads[3], heads[5],
+    g = attention_block_backward(dout_heads, saved.q, saved.k, saved.v, saved.out, saved.lse,
                                  AttentionMask{options.causal, pos, pos}, options.scale);
   }
   {
     TraceSpan span(options.trace, rank, "comm", "all-to-all dq, dk, dv");
     // In the inputs' dtype: each head group's gradient is complete, only replicas remain to be summed.
-    const torch::Tensor dq = g.dq.to(q.scalar_type()), dk = g.dk.to(k.scalar_type()), dv = g.dv.to(v.scalar_type());
+    const torch::Tensor dq = g.dq.to(dout.scalar_type()), dk = g.dk.to(dout.scalar_type()),
+                        dv = g.dv.to(dout.scalar_type());
     grads.dq = ulysses_heads_to_seq(comm, dq);
-    grads.dk = sum_kv_replicas(ulysses_heads_to_seq(comm, dk), k.size(1));
-    grads.dv = sum_kv_replicas(ulysses_heads_to_seq(comm, dv), v.size(1));
+    grads.dk = sum_kv_replicas(ulysses_heads_to_seq(comm, dk), saved.heads_kv);
+    grads.dv = sum_kv_replicas(ulysses_heads_to_seq(comm, dv), saved.heads_kv);
     for (const torch::Tensor& t : {dq, dk, dv}) grads.stats.bytes_sent += all_to_all_bytes(t, p);
   }
   // END SOLUTION
@@ -189,21 +206,31 @@ UlyssesGrads ulysses_attention_backward(Comm& comm, const torch::Tensor& dout, c
 Strategy ulysses_strategy() {
   // Work per rank, in the unit of the other strategies (pairs of one head): H/P heads of the whole
   // S × S block (masked pairs included, as the ring counts its blocks) is S·S/P pairs of one head.
-  auto pairs = [](const Comm& comm, const torch::Tensor& q) {
-    const int64_t s = q.size(2) * comm.size();
-    return q.size(0) * s * s / comm.size();
+  auto pairs = [](const Comm& comm, int64_t batch, int64_t chunk) {
+    const int64_t s = chunk * comm.size();
+    return batch * s * s / comm.size();
   };
   return {"ulysses", TokenLayout::Contiguous,
           [pairs](Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, Trace* trace) {
             const UlyssesResult r = ulysses_attention_forward(comm, q, k, v, ulysses_options(true, TokenLayout::Contiguous, trace));
-            return StrategyForward{r.out, r.lse, {pairs(comm, q), r.stats.bytes_sent}};
+            return StrategyForward{r.out, r.lse, {pairs(comm, q.size(0), q.size(2)), r.stats.bytes_sent},
+                                   to_saved_tensors(r.saved)};
           },
-          [pairs](Comm& comm, const torch::Tensor& dout, const torch::Tensor& q, const torch::Tensor& k,
-                  const torch::Tensor& v, const torch::Tensor& out, const torch::Tensor& lse, Trace* trace) {
-            const UlyssesGrads g = ulysses_attention_backward(comm, dout, q, k, v, out, lse,
+          [pairs](Comm& comm, const torch::Tensor& dout, const std::vector<torch::Tensor>& saved, Trace* trace) {
+            const UlyssesGrads g = ulysses_attention_backward(comm, dout, from_saved_tensors(saved),
                                                               ulysses_options(true, TokenLayout::Contiguous, trace));
-            return StrategyBackward{g.dq, g.dk, g.dv, {pairs(comm, q), g.stats.bytes_sent}};
+            return StrategyBackward{g.dq, g.dk, g.dv, {pairs(comm, dout.size(0), dout.size(2)), g.stats.bytes_sent}};
           }};
+}
+
+std::vector<torch::Tensor> to_saved_tensors(const UlyssesSaved& saved) {
+  // Autograd keeps tensors: Hkv travels as a 0-dim int64 tensor.
+  return {saved.q, saved.out, saved.k, saved.v, saved.lse, torch::tensor(saved.heads_kv)};
+}
+
+UlyssesSaved from_saved_tensors(const std::vector<torch::Tensor>& saved) {
+  check_saved(saved, 6, "ulysses");
+  return {saved[0], saved[1], saved[2], saved[3], saved[4], saved[5].item<int64_t>()};
 }
 
 }  // namespace cp

@@ -112,8 +112,8 @@ HybridResult hybrid_attention_forward(const HybridComms& comms, const torch::Ten
   HybridResult result;
   // BEGIN SOLUTION task 2: the forward
   // STUB: // TODO(lesson 11, task 2): Ulysses in (lesson 10), tokens into the ring's zig-zag order, lesson 07's
-  // STUB: // zig-zag ring over comms.ring with ring_opts, back out; count the bytes of both; trace spans under
-  // STUB: // `rank`. README, "Task 2".
+  // STUB: // zig-zag ring over comms.ring with ring_opts, back out; keep what the ring ran on in result.saved; count
+  // STUB: // the bytes of both; trace spans under `rank`. README, "Task 2".
   // STUB: (void)kv_heads, (void)group, (void)order, (void)ring_opts, (void)rank, (void)options;
   // STUB: throw NotImplemented("lesson 11, task 2: hybrid_attention_forward");
   const int pu = group.size();
@@ -144,6 +144,7 @@ HybridResult hybrid_attention_forward(const HybridComms& comms, const torch::Ten
     result.out = from_ring(r.out);
     result.lse = from_ring(r.lse);
   }
+  result.saved = {q_ring, r.out, k_ring, v_ring, r.lse, k.size(1)};
   result.stats.bytes_ring = r.stats.bytes_sent;
   for (const StepWork& step : r.stats.steps) result.stats.pairs += step.pairs * q.size(0);
   result.stats.pairs /= pu;  // this rank's H/P_u heads: 1/P_u of the pairs of all H heads
@@ -151,55 +152,48 @@ HybridResult hybrid_attention_forward(const HybridComms& comms, const torch::Ten
   return result;
 }
 
-HybridGrads hybrid_attention_backward(const HybridComms& comms, const torch::Tensor& dout, const torch::Tensor& q,
-                                      const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& out,
-                                      const torch::Tensor& lse, const HybridOptions& options) {
-  const int64_t kv_heads = check_hybrid_inputs(comms, q, k, v);
-  CP_CHECK(dout.defined() && out.defined() && dout.sizes() == q.sizes() && out.sizes() == q.sizes(),
-           "dout, out: expected the shape of q ", q.sizes());
-  CP_CHECK(lse.defined() && lse.sizes() == q.sizes().slice(0, 3), "lse: expected [B, Hq, S/P] = ",
-           q.sizes().slice(0, 3));
+HybridGrads hybrid_attention_backward(const HybridComms& comms, const torch::Tensor& dout, const UlyssesSaved& saved,
+                                      const HybridOptions& options) {
+  CP_CHECK(comms.ulysses && comms.ring, "comms: make them with make_hybrid_comms");
   Comm& group = *comms.ulysses;
-  const torch::Tensor order = zigzag_order(comms.mesh.ulysses, q.size(2), q.device());
+  check_ulysses_saved(group, dout, saved);
+  check_same_on_every_rank(*comms.ring, dout, "dout");
+  const torch::Tensor order = zigzag_order(comms.mesh.ulysses, dout.size(2), dout.device());
   const RingOptions ring_opts = ring_options_of(options, comms);
   const int rank = world_rank(comms);
   HybridGrads grads;
   // BEGIN SOLUTION task 3: the backward
-  // STUB: // TODO(lesson 11, task 3): the forward's exchanges around lesson 07's zig-zag ring backward; dk, dv of
-  // STUB: // replicated K/V heads summed. README, "Task 3".
-  // STUB: (void)kv_heads, (void)group, (void)order, (void)ring_opts, (void)rank, (void)options, (void)dout,
-  // STUB: (void)out, (void)lse;
+  // STUB: // TODO(lesson 11, task 3): dout the way of the forward's q, lesson 07's zig-zag ring backward on what the
+  // STUB: // forward saved, dq, dk, dv back; dk, dv of replicated K/V heads summed. README, "Task 3".
+  // STUB: (void)group, (void)order, (void)ring_opts, (void)rank, (void)options, (void)dout, (void)saved;
   // STUB: throw NotImplemented("lesson 11, task 3: hybrid_attention_backward");
   const int pu = group.size();
-  auto to_ring = [&](const torch::Tensor& t) {
-    grads.stats.bytes_ulysses += all_to_all_bytes(t, pu);
-    return ulysses_seq_to_heads(group, t.contiguous()).index_select(2, order);
-  };
   const torch::Tensor inverse = order.argsort();
-  auto from_ring = [&](const torch::Tensor& t) {
+  auto from_ring = [&](const torch::Tensor& t) {  // the inverse of the forward's to_ring
     const torch::Tensor back = ulysses_heads_to_seq(group, t.index_select(2, inverse).contiguous());
     grads.stats.bytes_ulysses += all_to_all_bytes(back, pu);
     return back;
   };
-  std::vector<torch::Tensor> in;  // dout, q, k, v, out, lse on the ring
+  torch::Tensor dout_ring;
   {
-    TraceSpan span(options.trace, rank, "comm", "all-to-all dout, q, k, v, out, lse");
-    for (const torch::Tensor& t : {dout, q, replicate_kv_heads(k, kv_heads), replicate_kv_heads(v, kv_heads), out, lse})
-      in.push_back(to_ring(t));
+    TraceSpan span(options.trace, rank, "comm", "all-to-all dout");
+    dout_ring = ulysses_seq_to_heads(group, dout.contiguous()).index_select(2, order);
+    grads.stats.bytes_ulysses += all_to_all_bytes(dout, pu);
   }
   RingGrads g;
   {
     TraceSpan span(ring_opts.trace ? nullptr : options.trace, rank, "compute", "zig-zag ring backward over the groups");
-    g = zigzag_ring_attention_backward(*comms.ring, in[0], in[1], in[2], in[3], in[4], in[5], ring_opts);
+    g = zigzag_ring_attention_backward(*comms.ring, dout_ring, saved.q, saved.k, saved.v, saved.out, saved.lse,
+                                       ring_opts);
   }
   {
     TraceSpan span(options.trace, rank, "comm", "all-to-all dq, dk, dv");
     grads.dq = from_ring(g.dq);
-    grads.dk = sum_kv_replicas(from_ring(g.dk), k.size(1));  // a replicated head's gradient: the sum of its copies
-    grads.dv = sum_kv_replicas(from_ring(g.dv), v.size(1));
+    grads.dk = sum_kv_replicas(from_ring(g.dk), saved.heads_kv);  // a replicated head's gradient: the sum of its copies
+    grads.dv = sum_kv_replicas(from_ring(g.dv), saved.heads_kv);
   }
   grads.stats.bytes_ring = g.stats.bytes_sent;
-  for (const StepWork& step : g.stats.steps) grads.stats.pairs += step.pairs * q.size(0);
+  for (const StepWork& step : g.stats.steps) grads.stats.pairs += step.pairs * dout.size(0);
   grads.stats.pairs /= pu;
   // END SOLUTION
   return grads;
@@ -254,14 +248,14 @@ Strategy hybrid_strategy(HybridMesh mesh) {
             options.causal = true;
             options.trace = trace;
             const HybridResult r = hybrid_attention_forward(meshes->of(comm), q, k, v, options);
-            return StrategyForward{r.out, r.lse, {r.stats.pairs, r.stats.bytes_ulysses + r.stats.bytes_ring}};
+            return StrategyForward{r.out, r.lse, {r.stats.pairs, r.stats.bytes_ulysses + r.stats.bytes_ring},
+                                   to_saved_tensors(r.saved)};
           },
-          [meshes](Comm& comm, const torch::Tensor& dout, const torch::Tensor& q, const torch::Tensor& k,
-                   const torch::Tensor& v, const torch::Tensor& out, const torch::Tensor& lse, Trace* trace) {
+          [meshes](Comm& comm, const torch::Tensor& dout, const std::vector<torch::Tensor>& saved, Trace* trace) {
             HybridOptions options;
             options.causal = true;
             options.trace = trace;
-            const HybridGrads g = hybrid_attention_backward(meshes->of(comm), dout, q, k, v, out, lse, options);
+            const HybridGrads g = hybrid_attention_backward(meshes->of(comm), dout, from_saved_tensors(saved), options);
             return StrategyBackward{g.dq, g.dk, g.dv, {g.stats.pairs, g.stats.bytes_ulysses + g.stats.bytes_ring}};
           }};
 }
