@@ -1,6 +1,8 @@
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <thread>
 
 #include "common/error.h"
 #include "common/world.h"
@@ -105,6 +107,10 @@ int run_main(const std::function<int()>& body, const std::function<void(const No
     return launched ? end_launched_world(1) : 1;
   } catch (const ErrorOnEveryRank& e) {
     // Every rank raised it at the same call: each reports it, nobody waits, no abort needed.
+    // The ranks would all write at once, and mpirun (Open MPI 5's at least) relays their output
+    // in the pieces it happens to read, so one rank's line could land inside another's: rank r
+    // waits r · 20 ms first.
+    if (launched) std::this_thread::sleep_for(std::chrono::milliseconds(20 * std::atoi(launched_rank().c_str())));
     std::fflush(stdout);
     std::fprintf(stderr, "%serror: %s\n", who.c_str(), e.what());
     return 2;
