@@ -3,7 +3,7 @@
 #                        (the skeleton check ignores your code between the YOUR CODE markers)
 #   make setup-cuda-cpu  build CUDA on the CPU (chipStar + PoCL) from source: kernels run without a GPU
 #   make demo            the course demo (solutions)
-#   make lesson N=01     build and run the learner tests of one lesson
+#   make lesson N=01     build and run the learner tests of one lesson (then under mpirun, once they pass)
 #   make status          per-lesson table of the learner's progress
 #   make compare N=01    learner vs solution: results, errors, timings, diff of filled regions
 #   make sanitize        the solution tests under ASan + UBSan and TSan (build-address/, build-thread/)
@@ -11,6 +11,8 @@
 #                        and the kernel tests on the CPU there, and every target built against CUDA
 #                        LibTorch + NCCL (build-debian13/); PART=cpu|cuda: one of them; PART=source:
 #                        CUDA on the CPU built there from ../shared/cuda-cpu/src, and lesson 03 on it
+#   make mutants N=04    (maintainers) apply each classic mistake of tests/mistakes/ to a scratch copy
+#                        of the solution: each must fail a test of its lesson, in one screen (N=all)
 #   make skeletons       (maintainers) regenerate lessons/ from solutions/; files holding learner
 #                        code are first copied to .learner-backups/ (N=01: one lesson)
 #   make check-skeletons (maintainers, CI) fail unless lessons/ is exactly what make skeletons writes
@@ -28,7 +30,7 @@ NN = $(shell case '$(N)' in ([0-9]|[0-9][0-9]) printf '%02d' $$((10#$(N)));; esa
 LESSONS = $$(ls lessons | tr '\n' ' ')
 CMAKE_ARGS = -G Ninja -DCP_CUDA_ARCHS="$(CP_CUDA_ARCHS)" $(if $(CMAKE_PREFIX_PATH),-DCMAKE_PREFIX_PATH="$(CMAKE_PREFIX_PATH)")
 
-.PHONY: setup setup-cuda-cpu configure build test demo lesson status compare docs bench skeletons check-skeletons gpu-check sanitize test-debian13 clean need-N
+.PHONY: setup setup-cuda-cpu configure build test demo lesson status compare docs bench mutants skeletons check-skeletons gpu-check sanitize test-debian13 clean need-N
 
 setup:
 	@tools/setup
@@ -68,11 +70,22 @@ need-N:
 	  else echo "make $(firstword $(MAKECMDGOALS)): there is no lesson N=$(N)"; fi; \
 	  echo "lessons: $(LESSONS)"; exit 2; }
 
+# The learner tests on local worlds (threads); once every one of them passes, the same tests under
+# mpirun too (one process per rank: the CTest entries lessonNN_learner_mpi3 and _mpi4), where the
+# lesson has them.
 lesson: need-N $(BUILD)/build.ninja
 	cmake --build $(BUILD) -j $(JOBS) --target lesson$(NN)_learner_test
-	@GTEST_COLOR=$${NO_COLOR:+no} $(BUILD)/bin/lesson$(NN)_learner_test; status=$$?; \
+	@set -o pipefail; GTEST_COLOR=$${NO_COLOR:+no} $(BUILD)/bin/lesson$(NN)_learner_test | tee $(BUILD)/lesson$(NN).log; \
+	 status=$$?; mpi="cd $(BUILD) && ctest -R '^lesson$(NN)_learner_mpi' --output-on-failure"; \
+	 if ! (cd $(BUILD) && ctest -N -R "^lesson$(NN)_learner_mpi" | grep -q 'Total Tests: [1-9]'); then \
+	   mpi=""; \
+	 elif [ $$status -eq 0 ] && grep -q '^Summary: .* 0 failed, 0 not started' $(BUILD)/lesson$(NN).log; then \
+	   echo; echo "Every test passes on local worlds; now under mpirun: $$mpi"; (eval "$$mpi") || status=$$?; mpi=""; \
+	 fi; \
 	 echo; echo "Lesson $(NN): read lessons/$$(cd lessons && ls -d $(NN)_*)/README.md; write the code between"; \
 	 echo "BEGIN YOUR CODE / END YOUR CODE; NOT STARTED tests turn into passes as you go."; \
+	 [ -z "$$mpi" ] || echo "Once every test passes, make lesson runs them under mpirun too ($$mpi)."; \
+	 echo "A failing test prints its first failure in full, the others one line each: CP_VERBOSE=1 prints all."; \
 	 echo "make compare N=$(NN) shows your code next to the solution; make status shows every lesson."; \
 	 exit $$status
 
@@ -106,6 +119,10 @@ bench: $(BUILD)/build.ninja
 	$(BUILD)/bin/softmax_bench
 	$(BUILD)/bin/exchange_bench --world 4
 	$(BUILD)/bin/attention_bench
+
+# (maintainers) each classic mistake of tests/mistakes/ must fail a test of its lesson; N=all: every lesson
+mutants: $(BUILD)/build.ninja
+	tools/mutants $(if $(filter all,$(N)),all,$(or $(NN),$(error make mutants: N=NN (a lesson) or N=all)))
 
 skeletons:
 	tools/skeleton --write $(N)

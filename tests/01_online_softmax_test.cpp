@@ -32,6 +32,11 @@ using testing::random_with_outliers;
 /// Row lengths around the warp size and its multiples, never only multiples of 32.
 const std::vector<int64_t> kLengths = {1, 2, 31, 33, 100, 257, 1000, 4097};
 
+/// Rows long enough that one running float32 sum misses the tolerance by a wide margin (2 to 5
+/// times on N(0, 16) values), while a double sum (task 2) or kLanes partial states (task 3) stay
+/// far inside it (README, "Rounding: why one running sum is not enough"). At 4097 the margin is thin.
+constexpr int64_t kLongRow = 16384;
+
 /// The state of a set computed directly from its definition, in double.
 SoftmaxState direct_state(const std::vector<float>& xs) {
   double m = -INFINITY;
@@ -246,6 +251,12 @@ CP_TEST(Lesson01, Task2_SafeSoftmaxMatchesTorch) {
   }
 }
 
+CP_TEST(Lesson01, Task2_LongRowsNeedADoubleSum) {
+  const torch::Tensor x = random_with_outliers({32, kLongRow}, 808, 4.0, 0.0);
+  CP_EXPECT_RESULT(rows_close(safe_softmax(x), oracle_softmax(x), x,
+                              "safe_softmax float32 n=" + std::to_string(kLongRow), {"row", "j"}));
+}
+
 CP_TEST(Lesson01, Task2_SafeSoftmaxOfAnAllMinusInfRowIsZero) {
   const torch::Tensor x = torch::tensor({{-INFINITY, -INFINITY, -INFINITY}, {0.0f, -INFINITY, 1.0f}});
   CP_EXPECT_RESULT(rows_close(safe_softmax(x), oracle_softmax(x), x, "safe_softmax with -inf rows", {"row", "j"}));
@@ -275,6 +286,12 @@ CP_TEST(Lesson01, Task3_OnlineSoftmaxMatchesTorch) {
                                     {"i", "j", "col"}));
     }
   }
+}
+
+CP_TEST(Lesson01, Task3_LongRowsNeedPartialStates) {
+  const torch::Tensor x = random_with_outliers({32, kLongRow}, 809, 4.0, 0.0);
+  CP_EXPECT_RESULT(rows_close(online_softmax(x), oracle_softmax(x), x,
+                              "online_softmax float32 n=" + std::to_string(kLongRow), {"row", "j"}));
 }
 
 CP_TEST(Lesson01, Task3_RowLogsumexpMatchesTorch) {
@@ -344,7 +361,7 @@ CP_TEST(Lesson01Cuda, Task4_OnlineSoftmaxMatchesTorchForEveryDtype) {
       const torch::Tensor x = random_with_outliers({3, n}, 400 + n, 3.0, 1e3).to(dtype);
       const torch::Tensor y = online_softmax(x.cuda());
       EXPECT_EQ(y.scalar_type(), dtype);
-      EXPECT_TRUE(all_close(y, oracle_softmax(x), "online_softmax cuda n=" + std::to_string(n)));
+      CP_EXPECT_CLOSE(y, oracle_softmax(x), "online_softmax cuda n=" + std::to_string(n));
     }
   }
 }
@@ -354,7 +371,7 @@ CP_TEST(Lesson01Cuda, Task4_RowLogsumexpMatchesTorchForEveryDtype) {
   for (auto dtype : {torch::kFloat, torch::kHalf, torch::kBFloat16}) {
     const torch::Tensor x = random_with_outliers({7, 1000}, 500, 3.0, 1e3).to(dtype);
     // The result is float32 computed from the dtype's values: compare at float32 tolerance.
-    EXPECT_TRUE(all_close(row_logsumexp(x.cuda()), oracle_logsumexp(x), "row_logsumexp cuda"));
+    CP_EXPECT_CLOSE(row_logsumexp(x.cuda()), oracle_logsumexp(x), "row_logsumexp cuda");
   }
 }
 
@@ -363,8 +380,8 @@ void check_empty_rows(torch::Device device) {
   online_softmax(torch::zeros({1, 2}).to(device));  // counts once implemented: empty rows never reach the row code
   for (const auto& shape : {std::vector<int64_t>{0, 7}, std::vector<int64_t>{5, 0}}) {
     const torch::Tensor x = torch::zeros(shape);
-    EXPECT_TRUE(all_close(online_softmax(x.to(device)), oracle_softmax(x), "online_softmax of an empty shape"));
-    EXPECT_TRUE(all_close(row_logsumexp(x.to(device)), oracle_logsumexp(x), "row_logsumexp of an empty shape"));
+    CP_EXPECT_CLOSE(online_softmax(x.to(device)), oracle_softmax(x), "online_softmax of an empty shape");
+    CP_EXPECT_CLOSE(row_logsumexp(x.to(device)), oracle_logsumexp(x), "row_logsumexp of an empty shape");
   }
 }
 
@@ -384,7 +401,7 @@ CP_TEST(Lesson01Cuda, Task4_KernelRunsOnTheTensorsGpu) {
   torch::Tensor y;
   std::thread([&] { y = online_softmax(x.to(torch::Device(torch::kCUDA, 1))); }).join();
   EXPECT_EQ(y.device(), torch::Device(torch::kCUDA, 1));
-  EXPECT_TRUE(all_close(y, oracle_softmax(x), "online_softmax of a tensor on GPU 1"));
+  CP_EXPECT_CLOSE(y, oracle_softmax(x), "online_softmax of a tensor on GPU 1");
 }
 
 CP_TEST(Lesson01Cuda, Task4_MinusInfRowsAndManyRows) {
@@ -394,8 +411,8 @@ CP_TEST(Lesson01Cuda, Task4_MinusInfRowsAndManyRows) {
   x.index_put_({torch::indexing::Slice(), 3}, -INFINITY);
   const torch::Tensor y = online_softmax(x.cuda());
   EXPECT_FALSE(y.isnan().any().item<bool>());
-  EXPECT_TRUE(all_close(y, oracle_softmax(x), "online_softmax cuda"));
-  EXPECT_TRUE(all_close(row_logsumexp(x.cuda()), oracle_logsumexp(x), "row_logsumexp cuda"));
+  CP_EXPECT_CLOSE(y, oracle_softmax(x), "online_softmax cuda");
+  CP_EXPECT_CLOSE(row_logsumexp(x.cuda()), oracle_logsumexp(x), "row_logsumexp cuda");
 }
 
 // ── Task 4: the CUDA kernel on device buffers (a GPU, or CUDA on the CPU) ─────────────────────
@@ -421,8 +438,8 @@ void check_kernel(const torch::Tensor& x, const std::string& what, Outputs outpu
   const std::string where = what + " (x " + std::string(c10::toString(x.scalar_type())) + " rows=" +
                             std::to_string(rows) + " n=" + std::to_string(n) + ")";
   // lse is float32 computed from the dtype's values: the oracle takes the same rounded values.
-  if (want_y) EXPECT_TRUE(all_close(y_dev.to_host(stream.get()), oracle_softmax(x), "y " + where, {"row", "j"}));
-  if (want_lse) EXPECT_TRUE(all_close(lse_dev.to_host(stream.get()), oracle_logsumexp(x), "lse " + where, {"row"}));
+  if (want_y) CP_EXPECT_CLOSE(y_dev.to_host(stream.get()), oracle_softmax(x), "y " + where, {"row", "j"});
+  if (want_lse) CP_EXPECT_CLOSE(lse_dev.to_host(stream.get()), oracle_logsumexp(x), "lse " + where, {"row"});
 }
 
 CP_TEST(Lesson01Kernels, Task4_KernelMatchesTorchForEveryDtypeAndLength) {
@@ -474,8 +491,8 @@ CP_TEST(Lesson01Kernels, Task4_NanAndInfFollowTheReference) {
       launch_online_softmax(x_dev.get(), y_dev.get(), lse_dev.as<float>(), x.size(0), n, kernel_dtype(xd, "x"),
                             stream.get());
       const std::string what = " (x " + std::string(c10::toString(dtype)) + " n=" + std::to_string(n) + ")";
-      EXPECT_TRUE(all_close_or_nan(y_dev.to_host(stream.get()), oracle_softmax(xd), "y" + what, {"row", "j"}));
-      EXPECT_TRUE(all_close_or_nan(lse_dev.to_host(stream.get()), oracle_logsumexp(xd), "lse" + what, {"row"}));
+      CP_EXPECT_RESULT(all_close_or_nan(y_dev.to_host(stream.get()), oracle_softmax(xd), "y" + what, {"row", "j"}));
+      CP_EXPECT_RESULT(all_close_or_nan(lse_dev.to_host(stream.get()), oracle_logsumexp(xd), "lse" + what, {"row"}));
     }
   }
 }

@@ -58,10 +58,10 @@ void check_algorithm(RingSoftmaxAlgo algo, torch::Device device,
         const torch::Tensor mine = my_columns(x, widths, comm.rank()).to(device, dtype);
         const torch::Tensor y = ring_softmax(comm, mine, algo);
         EXPECT_EQ(y.scalar_type(), dtype);
-        EXPECT_TRUE(all_close(y, expected,
+        CP_EXPECT_CLOSE(y, expected,
                               std::string(name_of(algo)) + (uneven ? " uneven" : " even") + " shards, rank " +
                                   std::to_string(comm.rank()) + " of " + std::to_string(comm.size()),
-                              {"row", "col"}));
+                              {"row", "col"});
       }
     }
   });
@@ -77,7 +77,7 @@ CP_TEST(Lesson02, Task1_LocalStatesMergeIntoTheStateOfTheWholeRow) {
     merged = merge_row_states(merged, local_row_states(x.narrow(-1, cuts[i], cuts[i + 1] - cuts[i])));
   // l·exp(m) must be Σ exp(x): compare the log-sum-exp of the merged state with the oracle's.
   const torch::Tensor lse = merged.m + torch::log(merged.l);
-  EXPECT_TRUE(all_close(lse, torch::logsumexp(x.to(torch::kDouble), -1), "log(l) + m of the merged states"));
+  CP_EXPECT_CLOSE(lse, torch::logsumexp(x.to(torch::kDouble), -1), "log(l) + m of the merged states");
 }
 
 CP_TEST(Lesson02, Task1_EmptyStatesMergeWithoutNan) {
@@ -89,7 +89,7 @@ CP_TEST(Lesson02, Task1_EmptyStatesMergeWithoutNan) {
   EXPECT_TRUE(torch::equal(both.l, torch::zeros({3})));
   const RowStates some = local_row_states(torch::tensor({{1.0f, 2.0f}, {-INFINITY, 0.0f}, {3.0f, 3.0f}}));
   const RowStates merged = merge_row_states(empty, some);
-  EXPECT_TRUE(all_close(merged.m + torch::log(merged.l), some.m + torch::log(some.l), "empty + some"));
+  CP_EXPECT_CLOSE(merged.m + torch::log(merged.l), some.m + torch::log(some.l), "empty + some");
 }
 
 // ── Tasks 2–4: the three algorithms ───────────────────────────────────────────────────────────

@@ -77,8 +77,8 @@ void check_forward_with(const ForwardFn& forward, const Case& c, const Attention
   EXPECT_EQ(r.out.scalar_type(), dtype);
   EXPECT_EQ(r.lse.scalar_type(), torch::kFloat);
   const std::string where = what + " " + std::string(c10::toString(dtype)) + " " + describe(c);
-  EXPECT_TRUE(all_close(r.out, out, "out " + where, kDims));
-  EXPECT_TRUE(all_close(r.lse, lse, "lse " + where, {"b", "h", "s"}));
+  CP_EXPECT_CLOSE(r.out, out, "out " + where, kDims);
+  CP_EXPECT_CLOSE(r.lse, lse, "lse " + where, {"b", "h", "s"});
 }
 
 void check_forward(const Case& c, const AttentionMask& mask, torch::Device device, torch::ScalarType dtype,
@@ -148,8 +148,8 @@ void check_non_finite_with(const ForwardFn& forward, int64_t s, int64_t d, const
         EXPECT_TRUE(out.isnan().any().item<bool>() && !out.isnan().all().item<bool>()) << p.name;
       const AttnResult r = forward(in, mask, q_pos, k_pos, scale);
       const std::string where = what + ", " + p.name + ", " + layout + " D=" + std::to_string(d);
-      EXPECT_TRUE(all_close_or_nan(r.out, out, "out " + where, kDims));
-      EXPECT_TRUE(all_close_or_nan(r.lse, lse, "lse " + where, {"b", "h", "s"}));
+      CP_EXPECT_RESULT(all_close_or_nan(r.out, out, "out " + where, kDims));
+      CP_EXPECT_RESULT(all_close_or_nan(r.lse, lse, "lse " + where, {"b", "h", "s"}));
     }
   }
 }
@@ -173,8 +173,8 @@ CP_TEST(Lesson03, Task1_MergeOfTwoKeySplitsEqualsTheWhole) {
       torch::Tensor out_acc = out_a.to(torch::kFloat), lse_acc = lse_a.to(torch::kFloat);
       merge_attention(out_acc, lse_acc, out_b.to(torch::kFloat), lse_b.to(torch::kFloat));
       const std::string what = "split at " + std::to_string(split) + (causal ? " causal" : "");
-      EXPECT_TRUE(all_close(out_acc, out, "merged out, " + what, kDims));
-      EXPECT_TRUE(all_close(lse_acc, lse, "merged lse, " + what));
+      CP_EXPECT_CLOSE(out_acc, out, "merged out, " + what, kDims);
+      CP_EXPECT_CLOSE(lse_acc, lse, "merged lse, " + what);
     }
   }
 }
@@ -189,11 +189,28 @@ CP_TEST(Lesson03, Task1_MergeIsMinusInfSafeOnEitherSide) {
     torch::Tensor lse_acc = (empty_first ? none_lse : some_lse).clone();
     merge_attention(out_acc, lse_acc, empty_first ? some_out : none_out, empty_first ? some_lse : none_lse);
     EXPECT_FALSE(out_acc.isnan().any().item<bool>());
-    EXPECT_TRUE(all_close(lse_acc, some_lse, "lse after merging with an empty side"));
+    CP_EXPECT_CLOSE(lse_acc, some_lse, "lse after merging with an empty side");
     // Row 1 is empty on both sides: it stays (0, -inf); the others keep their values.
     const torch::Tensor expected = some_out.clone().index_put_({0, 0, 1}, 0.0f);
-    EXPECT_TRUE(all_close(out_acc, expected, "out after merging with an empty side", kDims));
+    CP_EXPECT_CLOSE(out_acc, expected, "out after merging with an empty side", kDims);
   }
+}
+
+CP_TEST(Lesson03, Task1_MergeWithLseBeyondTheExpRange) {
+  // lse of ±100 and more, as scores of that size give: e^lse overflows float32 above 88.7 and is
+  // 0 below -103.3, so the sides must be weighed by e^(lse - max), never by e^lse itself.
+  const torch::Tensor out_a = torch::randn({1, 1, 3, 4}), out_b = torch::randn({1, 1, 3, 4});
+  const torch::Tensor lse_a = torch::tensor({100.0f, -120.0f, 95.0f}).view({1, 1, 3});
+  const torch::Tensor lse_b = torch::tensor({101.0f, -121.0f, 300.0f}).view({1, 1, 3});
+  torch::Tensor out_acc = out_a.clone(), lse_acc = lse_a.clone();
+  merge_attention(out_acc, lse_acc, out_b, lse_b);
+  // The merge in float64: lse = log(e^lse_a + e^lse_b), out = e^(lse_a - lse) out_a + e^(lse_b - lse) out_b.
+  const torch::Tensor a = lse_a.to(torch::kDouble), b = lse_b.to(torch::kDouble);
+  const torch::Tensor lse = torch::logsumexp(torch::stack({a, b}), 0);
+  const torch::Tensor out = torch::exp(a - lse).unsqueeze(-1) * out_a.to(torch::kDouble) +
+                            torch::exp(b - lse).unsqueeze(-1) * out_b.to(torch::kDouble);
+  CP_EXPECT_CLOSE(out_acc, out, "out after merging sides with lse of ±100 and 300", kDims);
+  CP_EXPECT_CLOSE(lse_acc, lse, "lse after merging sides with lse of ±100 and 300", {"b", "h", "s"});
 }
 
 CP_TEST(Lesson03, Task1_MergePropagatesNanAndInf) {
@@ -219,8 +236,8 @@ CP_TEST(Lesson03, Task1_MergePropagatesNanAndInf) {
           merge_attention(out_acc, lse_acc, (swap ? out_a : out_b).to(torch::kFloat), (swap ? lse_a : lse_b).to(torch::kFloat));
           const std::string what = p.name + ", split at " + std::to_string(split) + (causal ? " causal" : "") +
                                    (swap ? ", sides swapped" : "");
-          EXPECT_TRUE(all_close_or_nan(out_acc, out, "merged out, " + what, kDims));
-          EXPECT_TRUE(all_close_or_nan(lse_acc, lse, "merged lse, " + what, {"b", "h", "s"}));
+          CP_EXPECT_RESULT(all_close_or_nan(out_acc, out, "merged out, " + what, kDims));
+          CP_EXPECT_RESULT(all_close_or_nan(lse_acc, lse, "merged lse, " + what, {"b", "h", "s"}));
         }
       }
     }
@@ -292,8 +309,8 @@ CP_TEST(Lesson03, Task2_SplitKEquivalenceInAnyOrder) {
                                                       {true, q_pos, k_pos.narrow(0, from, len)});
       merge_attention(out_acc, lse_acc, part.out, part.lse);
     }
-    EXPECT_TRUE(all_close(out_acc, whole.out, "merged out, trial " + std::to_string(trial), kDims));
-    EXPECT_TRUE(all_close(lse_acc, whole.lse, "merged lse, trial " + std::to_string(trial)));
+    CP_EXPECT_CLOSE(out_acc, whole.out, "merged out, trial " + std::to_string(trial), kDims);
+    CP_EXPECT_CLOSE(lse_acc, whole.lse, "merged lse, trial " + std::to_string(trial));
   }
 }
 
@@ -349,8 +366,8 @@ CP_TEST(Lesson03Cuda, Task3_SplitKMergeOnCudaAndUnsupportedHeadDim) {
                                                     {true, q_pos, torch::arange(from, from + len, q_pos.options())});
     merge_attention(out_acc, lse_acc, part.out, part.lse);
   }
-  EXPECT_TRUE(all_close(out_acc, whole.out.cpu(), "merged out on cuda", kDims));
-  EXPECT_TRUE(all_close(lse_acc, whole.lse.cpu(), "merged lse on cuda"));
+  CP_EXPECT_CLOSE(out_acc, whole.out.cpu(), "merged out on cuda", kDims);
+  CP_EXPECT_CLOSE(lse_acc, whole.lse.cpu(), "merged lse on cuda");
   try {
     attention_block_forward(torch::zeros({1, 1, 4, 48}, torch::kCUDA), torch::zeros({1, 1, 4, 48}, torch::kCUDA),
                             torch::zeros({1, 1, 4, 48}, torch::kCUDA));

@@ -50,9 +50,9 @@ void expect_grads_match_autograd(const AttnGrads& g, const Inputs& in, bool caus
   for (const auto& [grad, name] : {std::pair{&g.dq, "dq"}, {&g.dk, "dk"}, {&g.dv, "dv"}})
     EXPECT_EQ(grad->scalar_type(), torch::kFloat) << name << " is an accumulator: float32";
   const std::string where = what + " " + std::string(c10::toString(dtype));
-  EXPECT_TRUE(all_close(g.dq, dq, "dq " + where, kDims, testing::gradient_tolerance(dtype, dq)));
-  EXPECT_TRUE(all_close(g.dk, dk, "dk " + where, kDims, testing::gradient_tolerance(dtype, dk)));
-  EXPECT_TRUE(all_close(g.dv, dv, "dv " + where, kDims, testing::gradient_tolerance(dtype, dv)));
+  CP_EXPECT_CLOSE(g.dq, dq, "dq " + where, kDims, testing::gradient_tolerance(dtype, dq));
+  CP_EXPECT_CLOSE(g.dk, dk, "dk " + where, kDims, testing::gradient_tolerance(dtype, dk));
+  CP_EXPECT_CLOSE(g.dv, dv, "dv " + where, kDims, testing::gradient_tolerance(dtype, dv));
 }
 
 /// Block backward (after lesson 03's forward) against autograd, on `device` in `dtype`.
@@ -209,10 +209,12 @@ void check_ring_backward(Comm& comm, torch::Device device, torch::ScalarType dty
   const std::string what = std::string(causal ? "causal" : "full") + " D=" + std::to_string(d) +
                            (overlap ? "" : ", no overlap") + ", rank " +
                            std::to_string(comm.rank()) + " of " + std::to_string(comm.size());
-  EXPECT_EQ(g.dq.scalar_type(), dtype);
-  EXPECT_TRUE(all_close(g.dq, shard(dq, comm), "dq " + what, kDims, testing::gradient_tolerance(dtype, dq)));
-  EXPECT_TRUE(all_close(g.dk, shard(dk, comm), "dk " + what, kDims, testing::gradient_tolerance(dtype, dk)));
-  EXPECT_TRUE(all_close(g.dv, shard(dv, comm), "dv " + what, kDims, testing::gradient_tolerance(dtype, dv)));
+  for (const auto& [grad, name] : {std::pair{&g.dq, "dq"}, {&g.dk, "dk"}, {&g.dv, "dv"}})
+    EXPECT_EQ(grad->scalar_type(), dtype) << name << " must come back in the dtype of the inputs (" << what
+                                          << "); the float32 accumulators are converted at the end";
+  CP_EXPECT_CLOSE(g.dq, shard(dq, comm), "dq " + what, kDims, testing::gradient_tolerance(dtype, dq));
+  CP_EXPECT_CLOSE(g.dk, shard(dk, comm), "dk " + what, kDims, testing::gradient_tolerance(dtype, dk));
+  CP_EXPECT_CLOSE(g.dv, shard(dv, comm), "dv " + what, kDims, testing::gradient_tolerance(dtype, dv));
   EXPECT_EQ(g.stats.steps_computed, causal ? comm.rank() + 1 : comm.size());
   EXPECT_EQ(g.stats.steps_skipped, causal ? comm.size() - 1 - comm.rank() : 0);
   // N − 1 hops of K and V in their dtype, N hops of the float32 dK, dV (none on one rank).
@@ -224,6 +226,12 @@ CP_TEST(Lesson05, Task3_RingBackwardMatchesAutograd) {
   for_each_world([](Comm& comm) {
     for (bool causal : {false, true}) check_ring_backward(comm, torch::kCPU, torch::kFloat, causal, true);
   });
+}
+
+CP_TEST(Lesson05, Task3_GradientsComeBackInTheDtypeOfTheInputs) {
+  // float64 on the CPU: the accumulators are float32 whatever the input, so dq, dk and dv must be
+  // converted back to the dtypes of q, k and v (a float32 run cannot tell the difference).
+  for_each_world([](Comm& comm) { check_ring_backward(comm, torch::kCPU, torch::kDouble, true, true); });
 }
 
 CP_TEST(Lesson05, Task3_RingBackwardNanReachesExactlyTheGradientsThatDependOnIt) {

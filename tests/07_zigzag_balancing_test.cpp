@@ -139,11 +139,11 @@ void check_zigzag(Comm& comm, torch::Device device, torch::ScalarType dtype, int
   const std::string what = std::string(causal ? "causal" : "full") + " " + std::string(c10::toString(dtype)) +
                            " D=" + std::to_string(d) + " on " + device.str() + ", rank " + std::to_string(r) +
                            " of " + std::to_string(n);
-  EXPECT_TRUE(all_close(f.out, mine(out), "out " + what, kDims));
-  EXPECT_TRUE(all_close(f.lse, shard_sequence(lse, TokenLayout::ZigZag, n, r), "lse " + what, {"b", "h", "s"}));
-  EXPECT_TRUE(all_close(g.dq, mine(dq), "dq " + what, kDims, testing::gradient_tolerance(dtype, dq)));
-  EXPECT_TRUE(all_close(g.dk, mine(dk), "dk " + what, kDims, testing::gradient_tolerance(dtype, dk)));
-  EXPECT_TRUE(all_close(g.dv, mine(dv), "dv " + what, kDims, testing::gradient_tolerance(dtype, dv)));
+  CP_EXPECT_CLOSE(f.out, mine(out), "out " + what, kDims);
+  CP_EXPECT_CLOSE(f.lse, shard_sequence(lse, TokenLayout::ZigZag, n, r), "lse " + what, {"b", "h", "s"});
+  CP_EXPECT_CLOSE(g.dq, mine(dq), "dq " + what, kDims, testing::gradient_tolerance(dtype, dq));
+  CP_EXPECT_CLOSE(g.dk, mine(dk), "dk " + what, kDims, testing::gradient_tolerance(dtype, dk));
+  CP_EXPECT_CLOSE(g.dv, mine(dv), "dv " + what, kDims, testing::gradient_tolerance(dtype, dv));
 }
 
 CP_TEST(Lesson07, Task3_ZigZagForwardAndBackwardMatchFullAttention) {

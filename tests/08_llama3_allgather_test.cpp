@@ -218,8 +218,8 @@ CP_TEST(Lesson08, Task3_ForwardMatchesAttentionPerDocument) {
       for (Llama3Mode mode : kModes) {
         const Llama3Result f = zigzag_llama3_attention_forward(comm, mine(b.q), mine(b.k), mine(b.v), b.cu, mode);
         const std::string what = describe(c, mode, r, n);
-        EXPECT_TRUE(all_close(f.out, mine(e.out), "out " + what, kPackedDims));
-        EXPECT_TRUE(all_close(f.lse, mine(e.lse.t()).t(), "lse " + what, {"h", "t"}));
+        CP_EXPECT_CLOSE(f.out, mine(e.out), "out " + what, kPackedDims);
+        CP_EXPECT_CLOSE(f.lse, mine(e.lse.t()).t(), "lse " + what, {"h", "t"});
         if (!first_out.defined()) first_out = f.out;
         else EXPECT_TRUE(torch::equal(f.out, first_out)) << "both modes compute the same blocks: " << what;
       }
@@ -332,9 +332,9 @@ CP_TEST(Lesson08, Task4_BackwardMatchesAttentionPerDocument) {
         const Llama3Grads g = zigzag_llama3_attention_backward(comm, mine(b.dout), mine(b.q), mine(b.k), mine(b.v),
                                                                f.out, f.lse, b.cu, mode);
         const std::string what = describe(c, mode, r, n);
-        EXPECT_TRUE(all_close(g.dq, mine(e.dq), "dq " + what, kPackedDims, testing::gradient_tolerance(torch::kFloat, e.dq)));
-        EXPECT_TRUE(all_close(g.dk, mine(e.dk), "dk " + what, kPackedDims, testing::gradient_tolerance(torch::kFloat, e.dk)));
-        EXPECT_TRUE(all_close(g.dv, mine(e.dv), "dv " + what, kPackedDims, testing::gradient_tolerance(torch::kFloat, e.dv)));
+        CP_EXPECT_CLOSE(g.dq, mine(e.dq), "dq " + what, kPackedDims, testing::gradient_tolerance(torch::kFloat, e.dq));
+        CP_EXPECT_CLOSE(g.dk, mine(e.dk), "dk " + what, kPackedDims, testing::gradient_tolerance(torch::kFloat, e.dk));
+        CP_EXPECT_CLOSE(g.dv, mine(e.dv), "dv " + what, kPackedDims, testing::gradient_tolerance(torch::kFloat, e.dv));
         EXPECT_EQ(g.dk.scalar_type(), torch::kFloat);
         if (!first) {
           first = g;
@@ -375,11 +375,11 @@ CP_TEST(Lesson08Cuda, Task4_ForwardAndBackwardOnCuda) {
       const Llama3Grads g = zigzag_llama3_attention_backward(comm, mine(b.dout).cuda(), mine(b.q).cuda(),
                                                              mine(b.k).cuda(), mine(b.v).cuda(), f.out, f.lse, b.cu, mode);
       const std::string what = to_string(mode) + " cuda, rank " + std::to_string(r);
-      EXPECT_TRUE(all_close(f.out, mine(e.out), "out " + what, kPackedDims));
-      EXPECT_TRUE(all_close(f.lse, mine(e.lse.t()).t(), "lse " + what, {"h", "t"}));
-      EXPECT_TRUE(all_close(g.dk, mine(e.dk), "dk " + what, kPackedDims, testing::gradient_tolerance(torch::kFloat, e.dk)));
-      EXPECT_TRUE(all_close(g.dv, mine(e.dv), "dv " + what, kPackedDims, testing::gradient_tolerance(torch::kFloat, e.dv)));
-      EXPECT_TRUE(all_close(g.dq, mine(e.dq), "dq " + what, kPackedDims, testing::gradient_tolerance(torch::kFloat, e.dq)));
+      CP_EXPECT_CLOSE(f.out, mine(e.out), "out " + what, kPackedDims);
+      CP_EXPECT_CLOSE(f.lse, mine(e.lse.t()).t(), "lse " + what, {"h", "t"});
+      CP_EXPECT_CLOSE(g.dk, mine(e.dk), "dk " + what, kPackedDims, testing::gradient_tolerance(torch::kFloat, e.dk));
+      CP_EXPECT_CLOSE(g.dv, mine(e.dv), "dv " + what, kPackedDims, testing::gradient_tolerance(torch::kFloat, e.dv));
+      CP_EXPECT_CLOSE(g.dq, mine(e.dq), "dq " + what, kPackedDims, testing::gradient_tolerance(torch::kFloat, e.dq));
     }
   });
 }

@@ -53,23 +53,32 @@ HybridOptions hybrid_options(bool causal) {
 
 // ── Task 1: the communicators ─────────────────────────────────────────────────────────────────
 
+/// make_hybrid_comms on every mesh of comm's size: both sizes, this rank's rank in each, and which
+/// world ranks each holds (an all_gather of the world ranks). EXPECT, not ASSERT, for the sizes:
+/// under mpirun a fatal failure aborts the whole world, and wrong sizes fail the checks below too.
+void expect_mesh_comms(Comm& comm) {
+  const int r = comm.rank();
+  for (const HybridMesh& mesh : meshes_of(comm.size())) {
+    const HybridComms comms = make_hybrid_comms(comm, mesh);
+    EXPECT_EQ(comms.ulysses->size(), mesh.ulysses) << where(comm, mesh, "group size");
+    EXPECT_EQ(comms.ring->size(), mesh.ring) << where(comm, mesh, "ring size");
+    const int g = r / mesh.ulysses, u = r % mesh.ulysses;
+    EXPECT_EQ(comms.ulysses->rank(), u) << where(comm, mesh, "rank in the group");
+    EXPECT_EQ(comms.ring->rank(), g) << where(comm, mesh, "rank in the ring");
+    const torch::Tensor me = torch::tensor({static_cast<int64_t>(r)});
+    EXPECT_TRUE(torch::equal(comms.ulysses->all_gather(me), torch::arange(g * mesh.ulysses, (g + 1) * mesh.ulysses)))
+        << where(comm, mesh, "the group is ranks g·P_u … g·P_u + P_u − 1");
+    EXPECT_TRUE(torch::equal(comms.ring->all_gather(me), torch::arange(u, comm.size(), mesh.ulysses)))
+        << where(comm, mesh, "the ring is ranks u, u + P_u, …");
+  }
+}
+
 CP_TEST(Lesson11, Task1_GroupsAreConsecutiveRanksAndRingsTakeOneRankOfEach) {
-  for_each_world([](Comm& comm) {
-    const int r = comm.rank();
-    for (const HybridMesh& mesh : meshes_of(comm.size())) {
-      const HybridComms comms = make_hybrid_comms(comm, mesh);
-      ASSERT_EQ(comms.ulysses->size(), mesh.ulysses) << where(comm, mesh, "group size");
-      ASSERT_EQ(comms.ring->size(), mesh.ring) << where(comm, mesh, "ring size");
-      const int g = r / mesh.ulysses, u = r % mesh.ulysses;
-      EXPECT_EQ(comms.ulysses->rank(), u) << where(comm, mesh, "rank in the group");
-      EXPECT_EQ(comms.ring->rank(), g) << where(comm, mesh, "rank in the ring");
-      const torch::Tensor me = torch::tensor({static_cast<int64_t>(r)});
-      EXPECT_TRUE(torch::equal(comms.ulysses->all_gather(me), torch::arange(g * mesh.ulysses, (g + 1) * mesh.ulysses)))
-          << where(comm, mesh, "the group is ranks g·P_u … g·P_u + P_u − 1");
-      EXPECT_TRUE(torch::equal(comms.ring->all_gather(me), torch::arange(u, comm.size(), mesh.ulysses)))
-          << where(comm, mesh, "the ring is ranks u, u + P_u, …");
-    }
-  });
+  for_each_world(expect_mesh_comms);
+  // A prime world (mpirun -np 3) has only the meshes 1 x P and P x 1, where groups of consecutive
+  // ranks and groups by r mod P_r are the same: under mpirun, local worlds of 4 and 8 ranks too.
+  if (testing::under_mpirun())
+    for (int n : {4, 8}) run_local_world(n, expect_mesh_comms);
 }
 
 // ── Tasks 2 and 3: forward and backward against the oracle ────────────────────────────────────
@@ -136,8 +145,8 @@ std::pair<Bytes, Bytes> expected_bytes(const Sequence& x, HybridMesh mesh) {
 CP_TEST(Lesson11, Task2_ForwardMatchesFullAttentionOnEveryMesh) {
   on_every_mesh([](const HybridComms& comms, const Sequence& x, bool causal, auto mine, const std::string& what) {
     const HybridResult r = hybrid_attention_forward(comms, mine(x.q), mine(x.k), mine(x.v), hybrid_options(causal));
-    EXPECT_TRUE(all_close(r.out, mine(x.out), "out " + what, kDims));
-    EXPECT_TRUE(all_close(r.lse, mine(x.lse), "lse " + what, {"b", "h", "s"}));
+    CP_EXPECT_CLOSE(r.out, mine(x.out), "out " + what, kDims);
+    CP_EXPECT_CLOSE(r.lse, mine(x.lse), "lse " + what, {"b", "h", "s"});
     const Bytes bytes = expected_bytes(x, comms.mesh).first;
     EXPECT_EQ(r.stats.bytes_ulysses, bytes.ulysses) << "forward all-to-all bytes, " << what;
     EXPECT_EQ(r.stats.bytes_ring, bytes.ring) << "forward ring bytes, " << what;
@@ -171,9 +180,9 @@ CP_TEST(Lesson11, Task3_BackwardMatchesFullAttentionOnEveryMesh) {
     const UlyssesSaved saved = saved_from_reference(comms, mine(x.q), mine(x.k), mine(x.v), mine(x.out).to(torch::kFloat),
                                                     mine(x.lse).to(torch::kFloat));
     const HybridGrads g = hybrid_attention_backward(comms, mine(x.dout), saved, hybrid_options(causal));
-    EXPECT_TRUE(all_close(g.dq, mine(x.dq), "dq " + what, kDims, testing::gradient_tolerance(torch::kFloat, x.dq)));
-    EXPECT_TRUE(all_close(g.dk, mine(x.dk), "dk " + what, kDims, testing::gradient_tolerance(torch::kFloat, x.dk)));
-    EXPECT_TRUE(all_close(g.dv, mine(x.dv), "dv " + what, kDims, testing::gradient_tolerance(torch::kFloat, x.dv)));
+    CP_EXPECT_CLOSE(g.dq, mine(x.dq), "dq " + what, kDims, testing::gradient_tolerance(torch::kFloat, x.dq));
+    CP_EXPECT_CLOSE(g.dk, mine(x.dk), "dk " + what, kDims, testing::gradient_tolerance(torch::kFloat, x.dk));
+    CP_EXPECT_CLOSE(g.dv, mine(x.dv), "dv " + what, kDims, testing::gradient_tolerance(torch::kFloat, x.dv));
     const Bytes bytes = expected_bytes(x, comms.mesh).second;
     EXPECT_EQ(g.stats.bytes_ulysses, bytes.ulysses) << "backward all-to-all bytes, " << what;
     EXPECT_EQ(g.stats.bytes_ring, bytes.ring) << "backward ring bytes, " << what;
@@ -215,8 +224,8 @@ CP_TEST(Lesson11, Task2_TheEndsOfTheMeshAreTheRingAndUlysses) {
                                                               hybrid_options(true));
     const UlyssesResult ulysses =
         ulysses_attention_forward(comm, x.q, x.k, x.v, ulysses_options(true, TokenLayout::ZigZag));
-    EXPECT_TRUE(all_close(ulysses_end.out, ulysses.out, "P x 1 out against lesson 10's Ulysses" + x.me, kDims));
-    EXPECT_TRUE(all_close(ulysses_end.lse, ulysses.lse, "P x 1 lse against lesson 10's Ulysses" + x.me, {"b", "h", "s"}));
+    CP_EXPECT_CLOSE(ulysses_end.out, ulysses.out, "P x 1 out against lesson 10's Ulysses" + x.me, kDims);
+    CP_EXPECT_CLOSE(ulysses_end.lse, ulysses.lse, "P x 1 lse against lesson 10's Ulysses" + x.me, {"b", "h", "s"});
     EXPECT_EQ(ulysses_end.stats.bytes_ulysses, ulysses.stats.bytes_sent) << x.me;
     EXPECT_EQ(ulysses_end.stats.bytes_ring, 0) << x.me;
   });
@@ -247,8 +256,8 @@ CP_TEST(Lesson11, Task3_TheEndsOfTheMeshAreTheRingAndUlysses) {
     for (const auto& [name, got, want] : {std::tuple{"dq", ulysses_end.dq, ulysses_grads.dq},
                                           std::tuple{"dk", ulysses_end.dk, ulysses_grads.dk},
                                           std::tuple{"dv", ulysses_end.dv, ulysses_grads.dv}})
-      EXPECT_TRUE(all_close(got, want, std::string("P x 1 ") + name + " against lesson 10's Ulysses" + x.me, kDims,
-                            testing::gradient_tolerance(torch::kFloat, want)));
+      CP_EXPECT_CLOSE(got, want, std::string("P x 1 ") + name + " against lesson 10's Ulysses" + x.me, kDims,
+                            testing::gradient_tolerance(torch::kFloat, want));
     EXPECT_EQ(ulysses_end.stats.bytes_ulysses, ulysses_grads.stats.bytes_sent) << x.me;
     EXPECT_EQ(ulysses_end.stats.bytes_ring, 0) << x.me;
   });
@@ -431,11 +440,11 @@ CP_TEST(Lesson11Cuda, Task3_ForwardAndBackwardOnCudaOnEveryMesh) {
           const std::string what = where(comm, mesh, std::string(c10::toString(dtype)) + " D=" + std::to_string(d));
           const HybridResult r = hybrid_attention_forward(comms, on(x.q), on(x.k), on(x.v), hybrid_options(true));
           const HybridGrads g = hybrid_attention_backward(comms, on(x.dout), r.saved, hybrid_options(true));
-          EXPECT_TRUE(all_close(r.out, mine(x.out), "out " + what, kDims));
-          EXPECT_TRUE(all_close(r.lse, mine(x.lse), "lse " + what, {"b", "h", "s"}));
-          EXPECT_TRUE(all_close(g.dq, mine(x.dq), "dq " + what, kDims, testing::gradient_tolerance(dtype, x.dq)));
-          EXPECT_TRUE(all_close(g.dk, mine(x.dk), "dk " + what, kDims, testing::gradient_tolerance(dtype, x.dk)));
-          EXPECT_TRUE(all_close(g.dv, mine(x.dv), "dv " + what, kDims, testing::gradient_tolerance(dtype, x.dv)));
+          CP_EXPECT_CLOSE(r.out, mine(x.out), "out " + what, kDims);
+          CP_EXPECT_CLOSE(r.lse, mine(x.lse), "lse " + what, {"b", "h", "s"});
+          CP_EXPECT_CLOSE(g.dq, mine(x.dq), "dq " + what, kDims, testing::gradient_tolerance(dtype, x.dq));
+          CP_EXPECT_CLOSE(g.dk, mine(x.dk), "dk " + what, kDims, testing::gradient_tolerance(dtype, x.dk));
+          CP_EXPECT_CLOSE(g.dv, mine(x.dv), "dv " + what, kDims, testing::gradient_tolerance(dtype, x.dv));
         }
       }
     }

@@ -546,7 +546,7 @@ CP_TEST(Runtime, RunMainTurnsAnEscapingErrorIntoExitStatus) {
 CP_TEST(Oracle, AllCloseReportsWrongElementsWithTheirIndex) {
   const torch::Tensor expected = torch::arange(24, torch::kDouble).view({2, 3, 4}) / 7;
   torch::Tensor actual = expected.to(torch::kFloat);
-  EXPECT_TRUE(testing::all_close(actual, expected, "same"));
+  CP_EXPECT_CLOSE(actual, expected, "same");
   actual[1][2][3] = 5.0f;
   const auto result = testing::all_close(actual, expected, "out", {"b", "s", "d"});
   ASSERT_FALSE(result);
@@ -556,7 +556,7 @@ CP_TEST(Oracle, AllCloseReportsWrongElementsWithTheirIndex) {
 
 CP_TEST(Oracle, NanNeverMatchesAndInfinitiesMustAgree) {
   const torch::Tensor expected = torch::tensor({1.0f, -INFINITY}).to(torch::kDouble);
-  EXPECT_TRUE(testing::all_close(torch::tensor({1.0f, -INFINITY}), expected, "ok"));
+  CP_EXPECT_CLOSE(torch::tensor({1.0f, -INFINITY}), expected, "ok");
   EXPECT_FALSE(testing::all_close(torch::tensor({NAN, -INFINITY}), expected, "nan"));
   EXPECT_FALSE(testing::all_close(torch::tensor({1.0f, 0.0f}), expected, "inf"));
   EXPECT_FALSE(testing::all_close(torch::tensor({1.0f}), expected, "shape"));
@@ -567,7 +567,7 @@ CP_TEST(Oracle, TolerancesGrowWithCoarserDtypes) {
   EXPECT_LT(testing::tolerance_for(torch::kHalf).rel, testing::tolerance_for(torch::kBFloat16).rel);
   // One bf16 rounding (2^-8 relative) must pass, four ulps must not.
   const torch::Tensor expected = torch::full({1}, 1.0, torch::kDouble);
-  EXPECT_TRUE(testing::all_close(torch::full({1}, 1.0 + 1.0 / 256), expected, "1 ulp", {}, testing::tolerance_for(torch::kBFloat16)));
+  CP_EXPECT_CLOSE(torch::full({1}, 1.0 + 1.0 / 256), expected, "1 ulp", {}, testing::tolerance_for(torch::kBFloat16));
   EXPECT_FALSE(testing::all_close(torch::full({1}, 1.0 + 5.0 / 256), expected, "5 ulp", {}, testing::tolerance_for(torch::kBFloat16)));
 }
 

@@ -5,6 +5,7 @@
 #include <iostream>
 
 #include "common/world.h"
+#include "testing/failure_digest.h"
 #include "testing/session.h"
 
 namespace cp::testing {
@@ -104,10 +105,25 @@ void run_launched_world(Comm& comm, const std::function<void(Comm&)>& body) {
   const torch::Device device = comm.backend() == Backend::Nccl ? current_cuda_device() : torch::Device(torch::kCPU);
   const torch::Tensor outcomes =
       comm.all_gather(torch::tensor({static_cast<int32_t>(outcome)}, torch::kInt32).to(device)).cpu();
+  std::vector<int> others_failed;
   for (int r = 0; r < comm.size(); ++r) {
     const int32_t o = outcomes[r].item<int32_t>();
-    if (o == kFailed && r != comm.rank()) ADD_FAILURE() << "rank " << r << " failed (its messages carry [rank " << r << "])";
+    if (o == kFailed) detail::note_failing_rank(r);
+    if (o == kFailed && r != comm.rank()) others_failed.push_back(r);
     if (o == kNotStarted && not_started.empty()) not_started = "rank " + std::to_string(r) + " is not started";
+  }
+  // Rank 0 names the other failing ranks. Unless CP_VERBOSE=1, only the lowest failing rank
+  // prints its messages (failure_digest.h): rank 0 itself, or the rank named first here.
+  if (comm.rank() == 0 && !others_failed.empty()) {
+    ::testing::Message ranks;
+    for (size_t i = 0; i < others_failed.size(); ++i) ranks << (i ? ", " : "") << others_failed[i];
+    const std::string lowest = std::to_string(others_failed.front());
+    ADD_FAILURE() << (others_failed.size() == 1 ? "rank " : "ranks ") << ranks << " failed"
+                  << (outcome == kFailed ? " too" : "")
+                  << (detail::verbose()     ? " (their messages carry [rank r])"
+                      : outcome == kFailed ? " (CP_VERBOSE=1 prints their messages)"
+                                           : " (rank " + lowest + "'s messages carry [rank " + lowest +
+                                                 "]; CP_VERBOSE=1 prints every rank's)");
   }
   if (!not_started.empty()) throw NotImplemented(not_started);
 }

@@ -7,8 +7,10 @@
 // The nccl backend moves CUDA tensors only: give it the CUDA suites (names ending in "Cuda").
 //
 // Under mpirun only rank 0 prints the usual gtest output; the other ranks print only their
-// failures, prefixed with their rank. Rank 0 also writes one JSON line per test to the file
-// named by CP_RESULTS_JSON (read by tools/status and tools/compare) and prints a summary.
+// failures, prefixed with their rank. A failing test prints its first failure in full and the
+// rest one line each (failure_digest.h; CP_VERBOSE=1 prints every one in full). Rank 0 also
+// writes one JSON line per test to the file named by CP_RESULTS_JSON (read by tools/status and
+// tools/compare) and prints a summary.
 #include <gtest/gtest.h>
 #include <torch/types.h>
 #include <torch/utils.h>
@@ -22,6 +24,7 @@
 
 #include "common/cli.h"
 #include "common/world.h"
+#include "testing/failure_digest.h"
 #include "testing/harness.h"
 #include "testing/oracle.h"
 #include "testing/session.h"
@@ -124,20 +127,6 @@ class CourseReporter : public ::testing::EmptyTestEventListener {
   int counts_[4] = {0, 0, 0, 0};
 };
 
-/// Ranks other than 0: print only what failed, with the rank.
-class RankFailurePrinter : public ::testing::EmptyTestEventListener {
- public:
-  explicit RankFailurePrinter(int rank) : rank_(rank) {}
-  void OnTestPartResult(const ::testing::TestPartResult& part) override {
-    if (!part.failed()) return;
-    std::cerr << "[rank " << rank_ << "] " << (part.file_name() ? part.file_name() : "?") << ":" << part.line_number()
-              << ": failure\n" << part.summary() << std::endl;
-  }
-
- private:
-  int rank_;
-};
-
 }  // namespace
 }  // namespace cp::testing::detail
 
@@ -161,12 +150,14 @@ int main(int argc, char** argv) {
 
     ::testing::TestEventListeners& listeners = ::testing::UnitTest::GetInstance()->listeners();
     const int rank = launched ? launched->rank() : 0;
-    if (rank == 0) {
-      listeners.Append(new CourseReporter(std::getenv("CP_RESULTS_JSON")));
-    } else {
-      delete listeners.Release(listeners.default_result_printer());
-      listeners.Append(new RankFailurePrinter(rank));
+    // gtest's printer behind the digest (a failing test in one screen); ranks > 0 print failures only.
+    ::testing::TestEventListener* printer = listeners.Release(listeners.default_result_printer());
+    if (rank != 0) {
+      delete printer;
+      printer = nullptr;
     }
+    listeners.Append(failure_digest(printer, rank).release());
+    if (rank == 0) listeners.Append(new CourseReporter(std::getenv("CP_RESULTS_JSON")));
     const int status = RUN_ALL_TESTS();
     launched.reset();  // the last Comm: MPI is finalised when run_main returns
     return status;
