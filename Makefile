@@ -80,12 +80,17 @@ lesson: need-N $(BUILD)/build.ninja
 	 if ! (cd $(BUILD) && ctest -N -R "^lesson$(NN)_learner_mpi" | grep -q 'Total Tests: [1-9]'); then \
 	   mpi=""; \
 	 elif [ $$status -eq 0 ] && grep -q '^Summary: .* 0 failed, 0 not started' $(BUILD)/lesson$(NN).log; then \
-	   echo; echo "Every test passes on local worlds; now under mpirun: $$mpi"; (eval "$$mpi") || status=$$?; mpi=""; \
+	   echo; echo "Every test passes on local worlds; now under mpirun: $$mpi"; (eval "$$mpi") || status=$$?; mpi=ran; \
 	 fi; \
-	 echo; echo "Lesson $(NN): read lessons/$$(cd lessons && ls -d $(NN)_*)/README.md; write the code between"; \
-	 echo "BEGIN YOUR CODE / END YOUR CODE; NOT STARTED tests turn into passes as you go."; \
-	 [ -z "$$mpi" ] || echo "Once every test passes, make lesson runs them under mpirun too ($$mpi)."; \
-	 echo "A failing test prints its first failure in full, the others one line each: CP_VERBOSE=1 prints all."; \
+	 echo; \
+	 if [ $$status -eq 0 ] && grep -q '^Summary: .* 0 failed, 0 not started' $(BUILD)/lesson$(NN).log; then \
+	   echo "Lesson $(NN): every test passes$${mpi:+, on local worlds and under mpirun}."; \
+	 else \
+	   echo "Lesson $(NN): read lessons/$$(cd lessons && ls -d $(NN)_*)/README.md; write the code between"; \
+	   echo "BEGIN YOUR CODE / END YOUR CODE; NOT STARTED tests turn into passes as you go."; \
+	   [ -z "$$mpi" ] || [ "$$mpi" = ran ] || echo "Once every test passes, make lesson runs them under mpirun too ($$mpi)."; \
+	   echo "A failing test prints its first failure in full, the others one line each: CP_VERBOSE=1 prints all."; \
+	 fi; \
 	 echo "make compare N=$(NN) shows your code next to the solution; make status shows every lesson."; \
 	 exit $$status
 

@@ -2,15 +2,12 @@
 // whole sequence, on local worlds of 1, 2, 3, 4, 8 ranks or the mpirun world.
 #include <torch/types.h>
 
-#include <cstdio>
-#include <fstream>
-#include <sstream>
-
 #include "common/error.h"
 #include "common/world.h"
 #include "ring_attention.h"
 #include "testing/harness.h"
 #include "testing/oracle.h"
+#include "testing/trace_reader.h"
 
 namespace cp {
 namespace {
@@ -189,17 +186,12 @@ CP_TEST(Lesson04, Task1_TraceRecordsComputeAndCommunication) {
     const Sequence seq = make_sequence({1, 1, 1, 16, 32}, 3, 5);
     ring_attention_forward(comm, shard(seq.q, comm), shard(seq.k, comm), shard(seq.v, comm), ring_options(true, &trace));
   });
-  // One file per process: under mpirun every rank runs this test.
-  const std::string path =
-      ::testing::TempDir() + "lesson04_trace_rank" + std::to_string(testing::process_rank()) + ".json";
-  trace.write(path);
-  std::stringstream text;
-  text << std::ifstream(path).rdbuf();
-  std::remove(path.c_str());
-  EXPECT_NE(text.str().find("\"traceEvents\""), std::string::npos);
-  EXPECT_NE(text.str().find("\"cat\": \"compute\""), std::string::npos) << text.str();
-  EXPECT_NE(text.str().find("\"cat\": \"comm\""), std::string::npos) << text.str();
-  EXPECT_NE(text.str().find("\"name\": \"rank 2\""), std::string::npos) << text.str();
+  const testing::TraceContents seen = testing::read_trace(trace);
+  const std::string what = "a causal forward on 3 ranks with options.trace set (" + seen.describe() + ")";
+  EXPECT_TRUE(seen.has_trace_events) << what << ": the file is not a Chrome trace";
+  EXPECT_TRUE(seen.spans_per_lane.count("compute")) << what << ": no span on lane 'compute' (one per computed block)";
+  EXPECT_TRUE(seen.spans_per_lane.count("comm")) << what << ": no span on lane 'comm' (one per exchange)";
+  EXPECT_TRUE(seen.spans_per_rank.count(2)) << what << ": no span of rank 2 (each rank records under its own rank)";
 }
 
 CP_TEST(Lesson04, Task1_BadInputGivesClearErrors) {

@@ -1,12 +1,12 @@
-// Lesson 10 — Ulysses: the all-to-alls against the unsharded tensors, and each rank's (out, lse,
-// dq, dk, dv) against float64 attention over the whole sequence, for every token layout and both
-// GQA cases (K/V heads split or replicated), on local worlds of 1, 2, 3, 4, 8 ranks or the mpirun
-// world; the bytes sent against the formula; lesson 09's layer trained with Ulysses.
+// Lesson 10 — Ulysses: the all-to-alls against the unsharded tensors, the positions of the gathered
+// sequence against the layout, the replicated K/V heads against the query heads that read them and
+// the sum of their gradients against a loop, and each rank's (out, lse, dq, dk, dv) against float64
+// attention over the whole sequence, for every token layout and both GQA cases (K/V heads split or
+// replicated), in float32 and float64, on local worlds of 1, 2, 3, 4, 8 ranks or the mpirun world;
+// the bytes sent against the formula, tensor by tensor; lesson 09's layer trained with Ulysses.
 #include <torch/types.h>
 
 #include <cmath>
-#include <cstdio>
-#include <fstream>
 #include <sstream>
 
 #include "common/error.h"
@@ -14,6 +14,7 @@
 #include "layer_reference.h"
 #include "testing/harness.h"
 #include "testing/oracle.h"
+#include "testing/trace_reader.h"
 #include "ulysses.h"
 
 namespace cp {
@@ -79,6 +80,13 @@ std::string first_difference(const torch::Tensor& got, const torch::Tensor& expe
   return out.str();
 }
 
+/// Passes when `got` equals `expected` (both labelled); else `what` and the first difference.
+::testing::AssertionResult same_labels(const torch::Tensor& got, const torch::Tensor& expected, const std::string& what) {
+  const std::string difference = first_difference(got, expected);
+  if (difference.empty()) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << what << ": " << difference;
+}
+
 CP_TEST(Lesson10, Task1_SeqToHeadsGivesThisRanksHeadsOfTheWholeSequence) {
   for_each_world([](Comm& comm) {
     const int p = comm.size(), r = comm.rank();
@@ -86,18 +94,58 @@ CP_TEST(Lesson10, Task1_SeqToHeadsGivesThisRanksHeadsOfTheWholeSequence) {
     const torch::Tensor full = labelled(2, heads, chunk * p, 3);  // the unsharded tensor
     const torch::Tensor mine = full.narrow(2, r * chunk, chunk).contiguous();
     const torch::Tensor expected = full.narrow(1, r * heads / p, heads / p).contiguous();
-    EXPECT_EQ(first_difference(ulysses_seq_to_heads(comm, mine), expected), "")
-        << where(comm, "seq_to_heads: heads [" + std::to_string(r * heads / p) + ", " +
-                           std::to_string((r + 1) * heads / p) + ") of the whole sequence");
-    EXPECT_EQ(first_difference(ulysses_heads_to_seq(comm, expected), mine), "")
-        << where(comm, "heads_to_seq: tokens [" + std::to_string(r * chunk) + ", " + std::to_string((r + 1) * chunk) +
-                           ") of every head");
-    EXPECT_EQ(first_difference(ulysses_heads_to_seq(comm, ulysses_seq_to_heads(comm, mine)), mine), "")
-        << where(comm, "heads_to_seq(seq_to_heads(x)) = x");
+    CP_EXPECT_RESULT(same_labels(ulysses_seq_to_heads(comm, mine), expected,
+                                 where(comm, "seq_to_heads: heads [" + std::to_string(r * heads / p) + ", " +
+                                                 std::to_string((r + 1) * heads / p) + ") of the whole sequence")));
+    CP_EXPECT_RESULT(same_labels(ulysses_heads_to_seq(comm, expected), mine,
+                                 where(comm, "heads_to_seq: tokens [" + std::to_string(r * chunk) + ", " +
+                                                 std::to_string((r + 1) * chunk) + ") of every head")));
+    CP_EXPECT_RESULT(same_labels(ulysses_heads_to_seq(comm, ulysses_seq_to_heads(comm, mine)), mine,
+                                 where(comm, "heads_to_seq(seq_to_heads(x)) = x")));
     // lse-shaped tensors [B, H, S/P] take the same path.
-    EXPECT_EQ(first_difference(ulysses_seq_to_heads(comm, mine.select(3, 0).contiguous()), expected.select(3, 0)), "")
-        << where(comm, "seq_to_heads of a 3-D tensor");
+    CP_EXPECT_RESULT(same_labels(ulysses_seq_to_heads(comm, mine.select(3, 0).contiguous()), expected.select(3, 0),
+                                 where(comm, "seq_to_heads of a 3-D tensor")));
   });
+}
+
+/// "[0 1 2 | 9 10 11 | ...]": an int64 vector cut into `parts` equal parts (the ranks' chunks).
+std::string chunks_text(const torch::Tensor& t, int parts) {
+  std::ostringstream out;
+  const torch::Tensor v = t.to(torch::kLong).contiguous();
+  const int64_t n = v.numel(), per = parts > 0 && n % parts == 0 ? n / parts : n;
+  out << "[";
+  for (int64_t i = 0; i < n; ++i) out << (i == 0 ? "" : per > 0 && i % per == 0 ? " | " : " ") << v[i].item<int64_t>();
+  out << "]";
+  return out.str();
+}
+
+CP_TEST(Lesson10, Task1_PositionsFollowTheGatheredSequence) {
+  for (TokenLayout layout : {TokenLayout::Contiguous, TokenLayout::ZigZag, TokenLayout::Stripe})
+    for (int p : {1, 2, 3, 4, 8}) {
+      const int64_t s = 6 * p;  // 2P zig-zag chunks of 3 tokens
+      // Rank r holds the tokens of lesson 07's layout, and the all-to-all lays them out in rank order.
+      std::vector<torch::Tensor> delivered;
+      for (int r = 0; r < p; ++r) delivered.push_back(shard_sequence(torch::arange(s), layout, p, r, 0));
+      const torch::Tensor expected = torch::cat(delivered);
+      const torch::Tensor got = ulysses_positions(layout, s, p);
+      const std::string what = "ulysses_positions(" + to_string(layout) + ", S = " + std::to_string(s) + ", P = " +
+                               std::to_string(p) + ")";
+      if (got.scalar_type() != torch::kLong || got.sizes() != expected.sizes()) {
+        ADD_FAILURE() << what << ": dtype " << got.scalar_type() << " " << got.sizes() << ", expected Long (int64) ["
+                      << s << "]: one position per token of the whole sequence";
+        break;
+      }
+      if (!torch::equal(got, expected)) {
+        ADD_FAILURE() << what << ": wrong positions (one | between the chunks of rank 0, 1, ...)\n  got      "
+                      << chunks_text(got, p) << "\n  expected " << chunks_text(expected, p)
+                      << "\n  Index i must be the global position of the token at index i of ulysses_seq_to_heads' "
+                         "result: the all-to-all puts rank 0's tokens first, then rank 1's, and rank r holds the "
+                         "positions lesson 07's layout gives it.";
+        break;  // the next P of this layout would repeat the message
+      }
+    }
+  // The layout's divisibility is checked before anything else (given).
+  testing::expect_error([] { ulysses_positions(TokenLayout::ZigZag, 12, 4); }, "S = 12 is not divisible by 2N = 8");
 }
 
 // ── Task 2 and 3: forward and backward against the oracle ─────────────────────────────────────
@@ -113,14 +161,124 @@ struct Case {
 /// what the forward kept.
 enum class Pass { Forward, Backward, Both };
 
+/// The K/V head (of the caller's Hkv) that K/V head `i` of the exchanged tensor (kv heads,
+/// ulysses_kv_heads) must be: rank j = i / (kv/P) receives it as its local head l = i mod (kv/P),
+/// and its query heads j·Hq/P + a with a / ((Hq/P) / (kv/P)) = l read K/V head (j·Hq/P + a) / (Hq/Hkv).
+int64_t kv_head_read_by(int64_t i, int64_t hq, int64_t hkv, int64_t kv, int p) {
+  const int64_t per_rank = kv / p, j = i / per_rank, l = i % per_rank, group = (hq / p) / per_rank;
+  return (j * hq / p + l * group) / (hq / hkv);
+}
+
+/// The reference of replicate_kv_heads: K/V head i of the result is the head kv_head_read_by(i).
+torch::Tensor reference_kv(const torch::Tensor& t, int64_t hq, int64_t kv, int p) {
+  std::vector<int64_t> index;
+  for (int64_t i = 0; i < kv; ++i) index.push_back(kv_head_read_by(i, hq, t.size(1), kv, p));
+  return t.index_select(1, torch::tensor(index, torch::kLong).to(t.device()));
+}
+
 /// The UlyssesSaved of a forward that got out and lse right: this rank's q, k, v, out, lse brought
-/// to the head split with task 1's exchange (K/V heads replicated as the forward does).
+/// to the head split with task 1's exchange (K/V heads replicated by the test's reference, so that
+/// the backward's tests do not depend on task 2).
 UlyssesSaved saved_from_reference(Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                   const torch::Tensor& out, const torch::Tensor& lse) {
-  const int64_t kv = ulysses_kv_heads(q.size(1), k.size(1), comm.size());
+  const int p = comm.size();
+  const int64_t kv = ulysses_kv_heads(q.size(1), k.size(1), p);
   auto heads = [&](const torch::Tensor& t) { return ulysses_seq_to_heads(comm, t.contiguous()); };
-  return {heads(q), heads(out), heads(replicate_kv_heads(k, kv)), heads(replicate_kv_heads(v, kv)), heads(lse),
-          k.size(1)};
+  return {heads(q), heads(out), heads(reference_kv(k, q.size(1), kv, p)), heads(reference_kv(v, q.size(1), kv, p)),
+          heads(lse), k.size(1)};
+}
+
+/// Passes when t has the dtype `expected`; else names the tensor, both dtypes and `why`.
+::testing::AssertionResult has_dtype(const torch::Tensor& t, torch::Dtype expected, const std::string& what,
+                                     const std::string& why) {
+  if (t.defined() && t.scalar_type() == expected) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << what << ": dtype "
+                                       << (t.defined() ? c10::toString(t.scalar_type()) : "undefined") << ", expected "
+                                       << c10::toString(expected) << " (" << why << ")";
+}
+
+/// One tensor's share of the bytes a rank sends: (P−1)/P of the tensor in one all-to-all.
+struct Share {
+  std::string name;
+  int64_t bytes;
+};
+
+/// The bytes of one pass, tensor by tensor, as ulysses_volume counts them.
+std::vector<Share> shares(const Case& c, const Heads& h, int p, int64_t element_size, bool forward) {
+  const int64_t kv = ulysses_kv_heads(h.q, h.kv, p);
+  auto sent = [&](int64_t heads, int64_t dim, int64_t bytes) {
+    return (p - 1) * c.batch * heads * c.chunk * dim / p * bytes;
+  };
+  const int64_t q = sent(h.q, c.head_dim, element_size), k = sent(kv, c.head_dim, element_size);
+  if (forward) return {{"q", q}, {"k", k}, {"v", k}, {"out", q}, {"lse", sent(h.q, 1, 4)}};
+  return {{"dout", q}, {"dq", q}, {"dk", k}, {"dv", k}};
+}
+
+/// A classic miscount and the total it gives.
+struct Miscount {
+  std::string what;
+  int64_t total;
+};
+
+/// The classic miscounts of one pass, each as all_to_all_bytes would add it up: K/V counted with the
+/// caller's Hkv heads instead of the ones that travel, lse in q's dtype, gradients in float32.
+std::vector<Miscount> miscounts(const Case& c, const Heads& h, int p, int64_t element_size, bool forward) {
+  const int64_t kv = ulysses_kv_heads(h.q, h.kv, p);
+  auto bytes = [&](int64_t heads, int64_t dim, int64_t size) { return c.batch * heads * c.chunk * dim * size / p * (p - 1); };
+  const int64_t q = bytes(h.q, c.head_dim, element_size);  // dout: in the inputs' dtype whatever the gradients'
+  auto total = [&](int64_t kv_heads, int64_t size, int64_t lse_size) {
+    return forward ? 2 * bytes(h.q, c.head_dim, size) + 2 * bytes(kv_heads, c.head_dim, size) + bytes(h.q, 1, lse_size)
+                   : q + bytes(h.q, c.head_dim, size) + 2 * bytes(kv_heads, c.head_dim, size);
+  };
+  std::vector<Miscount> out;
+  if (kv != h.kv)
+    out.push_back({std::string(forward ? "k and v" : "dk and dv") + " counted with the caller's Hkv = " +
+                       std::to_string(h.kv) + " heads, not the " + std::to_string(kv) + " heads that travel" +
+                       (forward ? " (after replicate_kv_heads)" : " (before the replica sum)"),
+                   total(h.kv, element_size, 4)});
+  if (forward && element_size != 4)
+    out.push_back({"lse counted in q's dtype, not in float32", total(kv, element_size, element_size)});
+  if (!forward && element_size != 4)
+    out.push_back({"dq, dk, dv counted in float32 (4 bytes), not in the inputs' dtype (" +
+                       std::to_string(element_size) + " bytes)",
+                   total(kv, 4, 4)});
+  return out;
+}
+
+/// Passes when `measured` is `expected` (ulysses_volume); else the breakdown, tensor by tensor
+/// (`parts`, which sum to it), and the classic miscount or the tensors (if any) the difference is.
+::testing::AssertionResult bytes_match(int64_t measured, int64_t expected, const std::vector<Share>& parts,
+                                       const std::string& what, const std::string& note,
+                                       const std::vector<Miscount>& known = {}) {
+  if (measured == expected) return ::testing::AssertionSuccess();
+  int64_t sum = 0;
+  for (const Share& s : parts) sum += s.bytes;
+  std::ostringstream out;
+  out << what << ": stats.bytes_sent = " << measured << ", expected " << expected << " (ulysses_volume) =";
+  for (size_t i = 0; i < parts.size(); ++i) out << (i ? " +" : "") << " " << parts[i].name << " " << parts[i].bytes;
+  if (sum != expected) out << " (the test's breakdown sums to " << sum << ": out of date with ulysses_volume)";
+  out << "\n  (each all-to-all sends (P-1)/P of its tensor, as all_to_all_bytes counts it; " << note << ")";
+  for (const Miscount& m : known)
+    if (m.total == measured) return ::testing::AssertionFailure() << out.str() << "\n  that is the total of " << m.what;
+  // The smallest set of tensors whose bytes are exactly the difference: left out, or counted twice.
+  const int64_t diff = measured - expected;
+  std::string best;
+  size_t best_count = parts.size() + 1;
+  for (unsigned set = 1; set < (1u << parts.size()); ++set) {
+    int64_t set_bytes = 0;
+    std::string names;
+    size_t count = 0;
+    for (size_t i = 0; i < parts.size(); ++i)
+      if (set & (1u << i)) set_bytes += parts[i].bytes, names += (count++ ? ", " : "") + parts[i].name;
+    if (set_bytes == std::llabs(diff) && count < best_count) best = names, best_count = count;
+  }
+  if (!best.empty())
+    out << "\n  the difference, " << diff << ", is exactly the share of " << best
+        << (diff < 0 ? ": not exchanged, or not counted?" : ": counted twice?");
+  else
+    out << "\n  the difference, " << diff << ", is no tensor's share: a tensor counted in another dtype or with "
+           "another number of heads?";
+  return ::testing::AssertionFailure() << out.str();
 }
 
 /// One case on every rank: the shards of a random sequence (in `dtype`, on `device`) through the
@@ -145,13 +303,20 @@ void check_case(Comm& comm, const Case& c, const Heads& h, uint64_t seed, Pass p
   const std::string what = where(comm, to_string(c.layout) + (c.causal ? " causal" : " full") + ", Hq " +
                                            std::to_string(h.q) + " Hkv " + std::to_string(h.kv) + ", " +
                                            c10::toString(dtype) + (device.is_cuda() ? " cuda" : ""));
+  const int64_t kv = ulysses_kv_heads(h.q, h.kv, p);
+  const std::string kv_note = kv == h.kv ? "k, v with their " + std::to_string(h.kv) + " heads"
+                                         : "k, v with the " + std::to_string(kv) + " heads of the replicated K/V";
+  const std::string bytes_note = kv_note + ", in " + c10::toString(dtype);
   UlyssesSaved saved;
   if (pass != Pass::Backward) {
     const UlyssesResult r = ulysses_attention_forward(comm, in(q), in(k), in(v), options);
-    EXPECT_EQ(r.out.scalar_type(), dtype) << what;
-    EXPECT_TRUE(all_close(r.out, mine(out), "out " + what, kDims));
-    EXPECT_TRUE(all_close(r.lse, mine(lse), "lse " + what, {"b", "h", "s"}));
-    EXPECT_EQ(r.stats.bytes_sent, volume.forward_bytes) << "forward bytes, " << what;
+    CP_EXPECT_RESULT(has_dtype(r.out, dtype, "out " + what, "the dtype of q"));
+    CP_EXPECT_RESULT(has_dtype(r.lse, torch::kFloat, "lse " + what, "lse is float32 whatever the dtype of q"));
+    CP_EXPECT_CLOSE(r.out, mine(out), "out " + what, kDims);
+    CP_EXPECT_CLOSE(r.lse, mine(lse), "lse " + what, {"b", "h", "s"});
+    const std::vector<Share> parts = shares(c, h, p, q.element_size(), true);
+    CP_EXPECT_RESULT(bytes_match(r.stats.bytes_sent, volume.forward_bytes, parts, "forward bytes, " + what,
+                                 bytes_note + ", lse float32", miscounts(c, h, p, q.element_size(), true)));
     saved = r.saved;
   } else {
     saved = saved_from_reference(comm, in(q), in(k), in(v), in(out.to(dtype)), in(lse.to(torch::kFloat)));
@@ -159,11 +324,49 @@ void check_case(Comm& comm, const Case& c, const Heads& h, uint64_t seed, Pass p
   if (pass == Pass::Forward) return;
   const auto [dq, dk, dv] = testing::oracle_attention_grads(q, k, v, dout, c.causal, pos, pos, scale);
   const UlyssesGrads g = ulysses_attention_backward(comm, in(dout), saved, options);
-  EXPECT_TRUE(all_close(g.dq, mine(dq), "dq " + what, kDims, testing::gradient_tolerance(dtype, dq)));
-  EXPECT_TRUE(all_close(g.dk, mine(dk), "dk " + what, kDims, testing::gradient_tolerance(dtype, dk)));
-  EXPECT_TRUE(all_close(g.dv, mine(dv), "dv " + what, kDims, testing::gradient_tolerance(dtype, dv)));
-  EXPECT_EQ(g.dk.scalar_type(), dtype) << what;
-  EXPECT_EQ(g.stats.bytes_sent, volume.backward_bytes) << "backward bytes, " << what;
+  const std::string cast = "the dtype of the inputs; lesson 05's block backward returns float32 gradients";
+  CP_EXPECT_RESULT(has_dtype(g.dq, dtype, "dq " + what, cast));
+  CP_EXPECT_RESULT(has_dtype(g.dk, dtype, "dk " + what, cast));
+  CP_EXPECT_RESULT(has_dtype(g.dv, dtype, "dv " + what, cast));
+  CP_EXPECT_CLOSE(g.dq, mine(dq), "dq " + what, kDims, testing::gradient_tolerance(dtype, dq));
+  CP_EXPECT_CLOSE(g.dk, mine(dk), "dk " + what, kDims, testing::gradient_tolerance(dtype, dk));
+  CP_EXPECT_CLOSE(g.dv, mine(dv), "dv " + what, kDims, testing::gradient_tolerance(dtype, dv));
+  const std::vector<Share> parts = shares(c, h, p, q.element_size(), false);
+  CP_EXPECT_RESULT(bytes_match(g.stats.bytes_sent, volume.backward_bytes, parts, "backward bytes, " + what,
+                               bytes_note + ": the gradients travel in the inputs' dtype",
+                               miscounts(c, h, p, q.element_size(), false)));
+}
+
+CP_TEST(Lesson10, Task2_ReplicatedKvHeadsReachTheRanksThatReadThem) {
+  // (Hq, Hkv, P): K/V heads replicated P/Hkv times, and once split (8, 8, 4) where t comes back as is.
+  struct Config {
+    int64_t hq, hkv;
+    int p;
+  };
+  for (const Config& c : {Config{8, 2, 4}, Config{16, 2, 8}, Config{8, 4, 8}, Config{12, 3, 6}, Config{6, 1, 3},
+                          Config{8, 8, 4}}) {
+    const int64_t kv = ulysses_kv_heads(c.hq, c.hkv, c.p), per_rank = kv / c.p;
+    const torch::Tensor k = labelled(2, c.hkv, 3, 2);  // head h of k carries the label 1000·h + ...
+    const torch::Tensor got = replicate_kv_heads(k, kv);
+    const std::string what = "replicate_kv_heads of Hkv = " + std::to_string(c.hkv) + " heads to " +
+                             std::to_string(kv) + " (Hq = " + std::to_string(c.hq) + ", P = " + std::to_string(c.p) + ")";
+    if (got.sizes() != torch::IntArrayRef({2, kv, 3, 2})) {
+      ADD_FAILURE() << what << ": shape " << got.sizes() << ", expected [2, " << kv << ", 3, 2]";
+      continue;
+    }
+    for (int64_t i = 0; i < kv; ++i) {
+      const int64_t rank = i / per_rank, want = kv_head_read_by(i, c.hq, c.hkv, kv, c.p);
+      if (torch::equal(got.select(1, i), k.select(1, want))) continue;
+      const auto label = static_cast<int64_t>(got[0][i][0][0].item<double>());  // b 0, token 0, d 0: 1000·head
+      ADD_FAILURE() << what << ": head " << i << " of the result goes to rank " << rank << " (ulysses_seq_to_heads "
+                    << "gives rank r heads [r*" << per_rank << ", (r+1)*" << per_rank << ")), whose query heads ["
+                    << rank * c.hq / c.p << ", " << (rank + 1) * c.hq / c.p << ") read K/V head " << want
+                    << " (query head h reads K/V head h / (Hq/Hkv) = h / " << c.hq / c.hkv << "), but it holds "
+                    << (label % 1000 == 0 && label / 1000 < c.hkv ? "K/V head " + std::to_string(label / 1000)
+                                                                 : "something else than a copy of one K/V head");
+      break;  // the next heads would repeat the message
+    }
+  }
 }
 
 CP_TEST(Lesson10, Task2_ForwardMatchesFullAttention) {
@@ -172,6 +375,9 @@ CP_TEST(Lesson10, Task2_ForwardMatchesFullAttention) {
     for (const Heads& h : heads_for(comm.size()))
       for (bool causal : {false, true})
         check_case(comm, {2, 13, 32, causal, TokenLayout::Contiguous}, h, seed++, Pass::Forward);
+    // float64 on the CPU: out in the dtype of q, lse float32, the bytes of 8-byte elements.
+    check_case(comm, {1, 6, 16, true, TokenLayout::ZigZag}, heads_for(comm.size()).back(), 150, Pass::Forward,
+               torch::kDouble);
   });
 }
 
@@ -184,6 +390,63 @@ CP_TEST(Lesson10, Task2_CausalMaskFromGlobalPositionsForEveryLayout) {
   });
 }
 
+/// Passes when `got` is `expected` exactly; else `what`, and the shapes or how many elements differ.
+::testing::AssertionResult same_tensor(const torch::Tensor& got, const torch::Tensor& expected, const std::string& what) {
+  if (!got.defined()) return ::testing::AssertionFailure() << what << ": undefined";
+  if (got.sizes() != expected.sizes())
+    return ::testing::AssertionFailure() << what << ": shape " << got.sizes() << ", expected " << expected.sizes();
+  if (got.scalar_type() != expected.scalar_type())
+    return ::testing::AssertionFailure() << what << ": dtype " << got.scalar_type() << ", expected "
+                                         << expected.scalar_type();
+  const int64_t wrong = got.ne(expected).sum().item<int64_t>();
+  if (wrong == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << what << ": " << wrong << " of " << got.numel() << " elements differ";
+}
+
+CP_TEST(Lesson10, Task2_ForwardKeepsTheHeadSplitForTheBackward) {
+  for_each_world([](Comm& comm) {
+    const int p = comm.size();
+    const Heads h = heads_for(p).back();  // replicated K/V heads where P > 1
+    const int64_t kv = ulysses_kv_heads(h.q, h.kv, p);
+    torch::Generator gen = at::detail::createCPUGenerator(500);
+    const torch::Tensor q = torch::randn({1, h.q, 4, 32}, gen), k = torch::randn({1, h.kv, 4, 32}, gen),
+                        v = torch::randn({1, h.kv, 4, 32}, gen);
+    const UlyssesResult r = ulysses_attention_forward(comm, q, k, v, ulysses_options(true));
+    auto heads = [&](const torch::Tensor& t) { return ulysses_seq_to_heads(comm, t.contiguous()); };
+    // What the backward reads: the tensors the attention ran on, in the head split [B, H/P, S, ...].
+    const std::string why = " (the tensors the attention ran on, in the head split: ulysses_seq_to_heads of ";
+    CP_EXPECT_RESULT(same_tensor(r.saved.q, heads(q), where(comm, "saved.q") + why + "q)"));
+    CP_EXPECT_RESULT(same_tensor(r.saved.k, heads(reference_kv(k, h.q, kv, p)),
+                                 where(comm, "saved.k") + why + "k with its " + std::to_string(kv) + " heads)"));
+    CP_EXPECT_RESULT(same_tensor(r.saved.v, heads(reference_kv(v, h.q, kv, p)),
+                                 where(comm, "saved.v") + why + "v with its " + std::to_string(kv) + " heads)"));
+    CP_EXPECT_RESULT(same_tensor(r.saved.out, heads(r.out), where(comm, "saved.out") + why + "out)"));
+    CP_EXPECT_RESULT(same_tensor(r.saved.lse, heads(r.lse), where(comm, "saved.lse") + why + "lse)"));
+    EXPECT_EQ(r.saved.heads_kv, h.kv) << where(comm, "saved.heads_kv: the caller's Hkv, to which the backward sums "
+                                                     "the gradients of the copies");
+  });
+}
+
+CP_TEST(Lesson10, Task3_TheGradientOfAReplicatedHeadIsTheSumOverItsCopies) {
+  // (Hkv, copies): the gradient [B, Hkv·copies, S/P, D] of K or V replicated as replicate_kv_heads lays it out.
+  for (const auto& [hkv, copies] : std::vector<std::pair<int64_t, int64_t>>{{2, 2}, {1, 4}, {3, 2}, {2, 4}, {4, 1}}) {
+    torch::Generator gen = at::detail::createCPUGenerator(400 + hkv * 10 + copies);
+    const torch::Tensor grad = torch::randn({2, hkv * copies, 5, 3}, gen).to(torch::kDouble);
+    std::vector<torch::Tensor> heads;  // head h's copies are the heads h·copies ... h·copies + copies − 1
+    for (int64_t h = 0; h < hkv; ++h) {
+      torch::Tensor sum = torch::zeros({2, 5, 3}, torch::kDouble);
+      for (int64_t c = 0; c < copies; ++c) sum += grad.select(1, h * copies + c);
+      heads.push_back(sum);
+    }
+    CP_EXPECT_CLOSE(sum_kv_replicas(grad, hkv), torch::stack(heads, 1),
+                    "sum_kv_replicas of " + std::to_string(hkv * copies) + " heads to Hkv = " + std::to_string(hkv) +
+                        " (the gradient of K/V head h is the sum over its " + std::to_string(copies) +
+                        " copies, heads h*" + std::to_string(copies) + " ... h*" + std::to_string(copies) + " + " +
+                        std::to_string(copies - 1) + ")",
+                    kDims);
+  }
+}
+
 CP_TEST(Lesson10, Task3_BackwardMatchesFullAttentionForEveryLayout) {
   for_each_world([](Comm& comm) {
     uint64_t seed = 100;  // the inputs of the forward tests
@@ -193,6 +456,9 @@ CP_TEST(Lesson10, Task3_BackwardMatchesFullAttentionForEveryLayout) {
     seed = 200;
     for (TokenLayout layout : {TokenLayout::ZigZag, TokenLayout::Stripe})
       check_case(comm, {1, 6, 64, true, layout}, heads_for(comm.size()).back(), seed++, Pass::Backward);
+    // float64 on the CPU: dq, dk, dv come back in the inputs' dtype (the block backward's are float32).
+    check_case(comm, {1, 6, 16, true, TokenLayout::ZigZag}, heads_for(comm.size()).back(), 150, Pass::Backward,
+               torch::kDouble);
   });
 }
 
@@ -219,16 +485,13 @@ CP_TEST(Lesson10, Task2_TraceRecordsTheExchangesAndTheAttention) {
     const torch::Tensor t = torch::ones({1, 3, 4, 32});
     ulysses_attention_forward(comm, t, t, t, ulysses_options(true, TokenLayout::Contiguous, &trace));
   });
-  // One file per process: under mpirun every rank runs this test.
-  const std::string path =
-      ::testing::TempDir() + "lesson10_trace_rank" + std::to_string(testing::process_rank()) + ".json";
-  trace.write(path);
-  std::stringstream text;
-  text << std::ifstream(path).rdbuf();
-  std::remove(path.c_str());
-  EXPECT_NE(text.str().find("\"cat\": \"compute\""), std::string::npos) << text.str();
-  EXPECT_NE(text.str().find("\"cat\": \"comm\""), std::string::npos) << text.str();
-  EXPECT_NE(text.str().find("\"name\": \"rank 2\""), std::string::npos) << text.str();
+  const testing::TraceContents seen = testing::read_trace(trace);
+  for (const char* lane : {"comm", "compute"})
+    EXPECT_TRUE(seen.spans_per_lane.count(lane))
+        << "a forward on 3 ranks with options.trace set: no span on lane '" << lane << "' (" << seen.describe()
+        << "). The exchanges go on lane 'comm', the attention on 'compute'.";
+  EXPECT_TRUE(seen.spans_per_rank.count(2)) << "a forward on 3 ranks with options.trace set: no span of rank 2 ("
+                                            << seen.describe() << "). Each rank records its spans under its own rank.";
 }
 
 CP_TEST(Lesson10, Task3_EmptyInputGivesEmptyResults) {

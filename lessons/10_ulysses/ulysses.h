@@ -48,17 +48,27 @@ torch::Tensor ulysses_seq_to_heads(Comm& comm, const torch::Tensor& x);
 /// Task 1. The inverse of ulysses_seq_to_heads: [B, H/P, S, ...] to [B, H, S/P, ...].
 torch::Tensor ulysses_heads_to_seq(Comm& comm, const torch::Tensor& x);
 
+/// Task 1. The global positions (int64 [S], on the CPU) of the S tokens of the sequence that
+/// ulysses_seq_to_heads gathers, index i being the token at index i of its result, when each of the
+/// `world` ranks holds its S/P tokens as `layout` says (lesson 07). The attention's causal mask
+/// compares these positions. S must suit the layout (divisible by P; by 2P for zig-zag): a
+/// cp::Error otherwise, raised before any exchange.
+torch::Tensor ulysses_positions(TokenLayout layout, int64_t seq, int world);
+
 /// How many key/value heads the all-to-all moves: Hkv when P divides Hkv; P when Hkv divides P
 /// (each K/V head is then replicated P/Hkv times, so that every rank receives the one K/V head
 /// its Hq/P query heads read). Anything else is a cp::Error naming both counts.
 int64_t ulysses_kv_heads(int64_t heads_q, int64_t heads_kv, int world);
 
-/// K or V with `heads` heads (ulysses_kv_heads): t itself, or each of its Hkv heads repeated
-/// heads/Hkv times along dim 1.
+/// Task 2. K or V [B, Hkv, ...] with `heads` heads along dim 1 (ulysses_kv_heads(Hq, Hkv, P)):
+/// t itself when heads = Hkv; else each of t's Hkv heads heads/Hkv times, laid out so that after
+/// ulysses_seq_to_heads every rank holds the K/V head its query heads read (README, "Grouped-query
+/// attention"). Lesson 11 uses it too. A cp::Error when Hkv does not divide `heads`.
 torch::Tensor replicate_kv_heads(const torch::Tensor& t, int64_t heads);
 
-/// The gradient of K or V with `heads_kv` heads from the gradient of its replicas
-/// (replicate_kv_heads): the sum over the copies of each head.
+/// Task 3. The gradient of K or V with `heads_kv` heads, [B, Hkv, ...], from the gradient of its
+/// replicas [B, heads, ...] laid out as replicate_kv_heads lays them: each head's gradient is
+/// the sum over its copies; grad itself when it has Hkv heads. Lesson 11 uses it too.
 torch::Tensor sum_kv_replicas(const torch::Tensor& grad, int64_t heads_kv);
 
 /// Bytes one rank sends in an all-to-all of `t` over `world` ranks: all of it but its own 1/world.

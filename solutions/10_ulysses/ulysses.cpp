@@ -49,6 +49,23 @@ torch::Tensor ulysses_heads_to_seq(Comm& comm, const torch::Tensor& x) {
   // END SOLUTION
 }
 
+torch::Tensor ulysses_positions(TokenLayout layout, int64_t seq, int world) {
+  CP_CHECK(world >= 1, "ulysses_positions: world must be at least 1, got ", world);
+  const int64_t parts = layout == TokenLayout::ZigZag ? 2 * world : world;
+  CP_CHECK(seq >= 0 && seq % parts == 0, "ulysses_positions: S = ", seq, " is not divisible by ",
+           layout == TokenLayout::ZigZag ? "2N = " : "N = ", parts, " (the ", to_string(layout), " layout cuts S into ",
+           parts, " equal parts)");
+  // BEGIN SOLUTION task 1: the positions of the gathered sequence
+  // STUB: // TODO(lesson 10, task 1): the global position of every token of the sequence that ulysses_seq_to_heads
+  // STUB: // gathers, in the order it lays them out. README, "Task 1".
+  // STUB: (void)layout, (void)seq, (void)world;
+  // STUB: throw NotImplemented("lesson 10, task 1: ulysses_positions");
+  std::vector<torch::Tensor> chunks;  // the all-to-all puts rank 0's tokens first, then rank 1's, ...
+  for (int r = 0; r < world; ++r) chunks.push_back(layout_positions(layout, seq, world, r));
+  return torch::cat(chunks);
+  // END SOLUTION
+}
+
 int64_t ulysses_kv_heads(int64_t heads_q, int64_t heads_kv, int world) {
   CP_CHECK(heads_q % world == 0, "ulysses: the query heads Hq = ", heads_q, " must be divisible by the ", world,
            " ranks (each rank takes Hq/P of them)");
@@ -77,17 +94,10 @@ UlyssesVolume ulysses_volume(int64_t batch, int64_t heads_q, int64_t heads_kv, i
 namespace {
 
 /// The checks of a Ulysses call; returns the K/V heads the all-to-all moves (ulysses_kv_heads).
-/// Whether S fits the layout (zig-zag: 2N) is checked by gathered_positions, before any exchange.
+/// Whether S fits the layout (zig-zag: 2N) is checked by ulysses_positions, before any exchange.
 int64_t check_ulysses_inputs(Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
   check_ring_inputs(comm, q, k, v, RingOptions{});  // lesson 04: the same shards on every rank, S/N tokens each
   return ulysses_kv_heads(q.size(1), k.size(1), comm.size());
-}
-
-/// The global positions of the gathered sequence: every rank's tokens, in rank order.
-torch::Tensor gathered_positions(const UlyssesOptions& options, int64_t chunk, int world, torch::Device device) {
-  std::vector<torch::Tensor> parts;
-  for (int r = 0; r < world; ++r) parts.push_back(layout_positions(options.layout, chunk * world, world, r));
-  return torch::cat(parts).to(device);
 }
 
 }  // namespace
@@ -114,15 +124,32 @@ void check_ulysses_saved(Comm& comm, const torch::Tensor& dout, const UlyssesSav
 }
 
 torch::Tensor replicate_kv_heads(const torch::Tensor& t, int64_t heads) {
-  return heads == t.size(1) ? t : t.repeat_interleave(heads / t.size(1), 1);
+  CP_CHECK(t.defined() && t.dim() >= 2 && t.size(1) >= 1 && heads % t.size(1) == 0,
+           "replicate_kv_heads: t must have K/V heads along dim 1 that divide heads = ", heads);
+  // BEGIN SOLUTION task 2: replicate the K/V heads
+  // STUB: // TODO(lesson 10, task 2): every K/V head heads/Hkv times, laid out so that the all-to-all gives each rank
+  // STUB: // the K/V head its query heads read. README, "Grouped-query attention" and "Task 2".
+  // STUB: (void)t, (void)heads;
+  // STUB: throw NotImplemented("lesson 10, task 2: replicate_kv_heads");
+  if (heads == t.size(1)) return t;
+  return t.repeat_interleave(heads / t.size(1), 1);  // copies of a head side by side: h0 h0 h1 h1 ...
+  // END SOLUTION
 }
 
 torch::Tensor sum_kv_replicas(const torch::Tensor& grad, int64_t heads_kv) {
+  CP_CHECK(grad.defined() && grad.dim() >= 2 && heads_kv >= 1 && grad.size(1) % heads_kv == 0,
+           "sum_kv_replicas: grad must have a multiple of heads_kv = ", heads_kv, " heads along dim 1");
+  // BEGIN SOLUTION task 3: sum the gradients of the K/V replicas
+  // STUB: // TODO(lesson 10, task 3): the gradient of each K/V head from the gradients of its copies (the layout of
+  // STUB: // replicate_kv_heads). README, "Grouped-query attention" and "Task 3".
+  // STUB: (void)grad, (void)heads_kv;
+  // STUB: throw NotImplemented("lesson 10, task 3: sum_kv_replicas");
   if (grad.size(1) == heads_kv) return grad;
   std::vector<int64_t> shape = grad.sizes().vec();  // [B, Hkv·r, S/P, D] → [B, Hkv, r, S/P, D]
   shape[1] = heads_kv;
   shape.insert(shape.begin() + 2, grad.size(1) / heads_kv);
   return grad.reshape(shape).sum(2);
+  // END SOLUTION
 }
 
 int64_t all_to_all_bytes(const torch::Tensor& t, int world) {
@@ -133,7 +160,7 @@ UlyssesResult ulysses_attention_forward(Comm& comm, const torch::Tensor& q, cons
                                         const torch::Tensor& v, const UlyssesOptions& options) {
   const int64_t kv_heads = check_ulysses_inputs(comm, q, k, v);
   const int rank = comm.rank(), p = comm.size();
-  const torch::Tensor pos = gathered_positions(options, q.size(2), p, q.device());
+  const torch::Tensor pos = ulysses_positions(options.layout, q.size(2) * p, p).to(q.device());  // before any exchange
   UlyssesResult result;
   // BEGIN SOLUTION task 2: the forward
   // STUB: // TODO(lesson 10, task 2): q, k, v (K/V with kv_heads heads) to head-sharded; attention over the whole
@@ -169,7 +196,7 @@ UlyssesGrads ulysses_attention_backward(Comm& comm, const torch::Tensor& dout, c
                                         const UlyssesOptions& options) {
   check_ulysses_saved(comm, dout, saved);
   const int rank = comm.rank(), p = comm.size();
-  const torch::Tensor pos = gathered_positions(options, dout.size(2), p, dout.device());
+  const torch::Tensor pos = ulysses_positions(options.layout, dout.size(2) * p, p).to(dout.device());
   UlyssesGrads grads;
   // BEGIN SOLUTION task 3: the backward
   // STUB: // TODO(lesson 10, task 3): dout to the head split, lesson 05's block backward over the whole sequence with
