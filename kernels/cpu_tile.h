@@ -1,5 +1,5 @@
 // Tiles of the course's CPU attention (lessons 03 and 05), the CPU counterpart of tile.cuh: the
-// tile shape, packing into float32 tiles, the positions that decide a causal skip, and four-float
+// tile shape, packing into float32 tiles, the positions that decide a masked tile's skip, and four-float
 // SIMD vectors. The vectors are GCC's and Clang's vector extension, so the same code is SSE2 on
 // x86-64 and NEON on arm64 with no intrinsics and no -march flag.
 #pragma once
@@ -108,6 +108,34 @@ inline void tile_position_bounds(const int64_t* pos, int64_t n, int64_t tile, st
     min_pos[i / tile] = std::min(min_pos[i / tile], pos[i]);
     max_pos[i / tile] = std::max(max_pos[i / tile], pos[i]);
   }
+}
+
+/// The visible keys of a tile of query rows (row i sees the key positions first[i] .. last[i],
+/// lesson 03's VisibleKeys; first = nullptr: every key), summarised so that a whole key tile is
+/// decided from its smallest and largest position (tile_position_bounds).
+struct RowRanges {
+  bool masked = false;
+  int64_t first_min = 0, first_max = 0, last_min = 0, last_max = 0;
+  /// No row sees a key positioned in [lo, hi]: the tile is skipped.
+  bool misses(int64_t lo, int64_t hi) const { return masked && (lo > last_max || hi < first_min); }
+  /// Every row sees every key positioned in [lo, hi]: the tile needs no mask.
+  bool sees_all(int64_t lo, int64_t hi) const { return !masked || (lo >= first_max && hi <= last_min); }
+};
+
+/// The RowRanges of rows [begin, begin + rows) of first/last (both nullptr: unmasked).
+inline RowRanges row_ranges(const int64_t* first, const int64_t* last, int64_t begin, int64_t rows) {
+  RowRanges r;
+  if (first == nullptr) return r;
+  r.masked = true;
+  r.first_min = r.last_min = std::numeric_limits<int64_t>::max();
+  r.first_max = r.last_max = std::numeric_limits<int64_t>::min();
+  for (int64_t i = begin; i < begin + rows; ++i) {
+    r.first_min = std::min(r.first_min, first[i]);
+    r.first_max = std::max(r.first_max, first[i]);
+    r.last_min = std::min(r.last_min, last[i]);
+    r.last_max = std::max(r.last_max, last[i]);
+  }
+  return r;
 }
 
 }  // namespace cp::kernels

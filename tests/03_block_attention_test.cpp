@@ -72,7 +72,8 @@ void check_forward_with(const ForwardFn& forward, const Case& c, const Attention
   const torch::Tensor q_pos = mask.q_positions.defined() ? mask.q_positions : torch::arange(c.seq_q);
   const torch::Tensor k_pos = mask.k_positions.defined() ? mask.k_positions : torch::arange(c.seq_k);
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
-  const auto [out, lse] = oracle_attention(in.q, in.k, in.v, mask.causal, q_pos, k_pos, scale);
+  const auto [out, lse] =
+      oracle_attention(in.q, in.k, in.v, {mask.causal, q_pos, k_pos, mask.window, mask.documents}, scale);
   const AttnResult r = forward(in, mask, q_pos, k_pos, scale);
   EXPECT_EQ(r.out.scalar_type(), dtype);
   EXPECT_EQ(r.lse.scalar_type(), torch::kFloat);
@@ -102,6 +103,18 @@ std::vector<std::pair<std::string, AttentionMask>> position_layouts(int64_t s) {
   std::vector<std::pair<std::string, AttentionMask>> masks;
   for (const testing::PositionLayout& l : testing::causal_position_layouts(s))
     masks.push_back({l.name, {true, l.q_pos, l.k_pos}});
+  return masks;
+}
+
+/// The oracle's window and document masks (testing::window_and_document_masks) as AttentionMasks.
+std::vector<std::pair<std::string, AttentionMask>> window_and_document_masks(int64_t s) {
+  std::vector<std::pair<std::string, AttentionMask>> masks;
+  for (const auto& [name, m] : testing::window_and_document_masks(s)) {
+    AttentionMask mask{m.causal, m.q_pos, m.k_pos};
+    mask.window = m.window;
+    mask.documents = m.documents;
+    masks.push_back({name, mask});
+  }
   return masks;
 }
 
@@ -267,6 +280,41 @@ CP_TEST(Lesson03, Task2_CausalMaskFromGlobalPositions) {
     check_forward({1, 2, 1, s, s, 32, true}, mask, torch::kCPU, torch::kFloat, 21, name);
 }
 
+CP_TEST(Lesson03, Task2_WindowsAndDocumentsFromGlobalPositions) {
+  const int64_t s = 75;
+  for (const auto& [name, mask] : window_and_document_masks(s))
+    for (int64_t d : {32, 64})
+      check_forward({1, 2, 1, s, s, d, mask.causal}, mask, torch::kCPU, torch::kFloat, 23, name);
+}
+
+CP_TEST(Lesson03, Task2_WindowAsLongAsTheSequenceIsExactlyCausal) {
+  const Case c{1, 2, 1, 70, 70, 32, true};
+  const Inputs in = random_inputs(c, 9);
+  AttentionMask window = causal_mask(true);
+  window.window = c.seq_k;  // the oldest key is 69 behind the newest query: inside a window of 70
+  const AttnResult causal = attention_block_forward(in.q, in.k, in.v, causal_mask(true));
+  const AttnResult windowed = attention_block_forward(in.q, in.k, in.v, window);
+  EXPECT_TRUE(torch::equal(causal.out, windowed.out) && torch::equal(causal.lse, windowed.lse))
+      << "a window of S keys must be the causal mask, bit for bit";
+}
+
+CP_TEST(Lesson03, Task2_TilesTheMaskHidesAreSkipped) {
+  // S = 256: 8 × 8 tiles of 32 × 32 per head, 2 heads. Causal: the 36 tiles on or below the
+  // diagonal. A window of 32 keys: the diagonal and the tile before it (8 + 7). Four documents of
+  // 64 tokens: 3 tiles per document.
+  const Case c{1, 2, 1, 256, 256, 32, true};
+  const Inputs in = random_inputs(c, 14);
+  AttentionMask window = causal_mask(true), documents = causal_mask(true);
+  window.window = 32;
+  documents.documents = torch::tensor(std::vector<int64_t>{0, 64, 128, 192, 256});
+  for (const auto& [name, mask, computed] : {std::tuple{"causal", causal_mask(true), 36}, std::tuple{"window 32", window, 15},
+                                              std::tuple{"4 documents of 64", documents, 12}}) {
+    const AttnResult r = attention_block_forward(in.q, in.k, in.v, mask);
+    EXPECT_EQ(r.tiles_computed, 2 * computed) << name;
+    EXPECT_EQ(r.tiles_skipped, 2 * (64 - computed)) << name;
+  }
+}
+
 CP_TEST(Lesson03, Task2_FullyMaskedRowsGiveZeroAndMinusInf) {
   const Case c{1, 2, 2, 40, 40, 32, true};
   const Inputs in = random_inputs(c, 8);
@@ -329,6 +377,26 @@ CP_TEST(Lesson03, Task2_BadInputGivesClearErrors) {
   AttentionMask int32_keys = causal_mask(true);
   int32_keys.k_positions = torch::arange(8).to(torch::kInt);
   expect_error([&] { attention_block_forward(q, kv, kv, int32_keys); }, "mask.k_positions: expected an int64 tensor");
+  // Lesson 12's masks: a window needs causal and at least one key; documents are cu_seqlens.
+  auto with = [](bool causal, int64_t window, const torch::Tensor& documents) {
+    AttentionMask m = causal_mask(causal);
+    m.window = window;
+    m.documents = documents;
+    return m;
+  };
+  expect_error([&] { attention_block_forward(q, kv, kv, with(true, -1, {})); }, "mask.window: must be at least 1");
+  expect_error([&] { attention_block_forward(q, kv, kv, with(false, 4, {})); }, "mask.window: a sliding window (4) needs causal");
+  expect_error([&] { attention_block_forward(q, kv, kv, with(true, 0, torch::tensor(std::vector<int64_t>{2, 8}))); },
+               "mask.documents: must start at 0");
+  expect_error([&] { attention_block_forward(q, kv, kv, with(true, 0, torch::tensor(std::vector<int64_t>{0, 6, 3, 8}))); },
+               "mask.documents: must be non-decreasing");
+  expect_error([&] { attention_block_forward(q, kv, kv, with(true, 0, torch::tensor({0, 8}).to(torch::kInt))); },
+               "mask.documents: expected cu_seqlens, an int64 tensor");
+  expect_error([&] { attention_block_forward(q, kv, kv, with(true, 0, torch::tensor(std::vector<int64_t>{0}))); },
+               "mask.documents: expected cu_seqlens");
+  AttentionMask negative = with(true, 0, torch::tensor(std::vector<int64_t>{0, 8}));
+  negative.q_positions = torch::arange(8) - 1;
+  expect_error([&] { attention_block_forward(q, kv, kv, negative); }, "mask.q_positions: a negative position");
 }
 
 // ── Task 3: the CUDA kernel through attention_block_forward() on CUDA tensors (GPU + CUDA LibTorch) ──
@@ -388,13 +456,15 @@ using testing::TestStream;
 
 AttnResult forward_kernel(const Inputs& in, const AttentionMask& mask, const torch::Tensor& q_pos,
                           const torch::Tensor& k_pos, double scale) {
+  const VisibleKeys keys = visible_keys(mask, q_pos);
   const BlockAttentionParams p{in.q.size(0), in.q.size(1), in.k.size(1), in.q.size(2), in.k.size(2), in.q.size(3),
-                               static_cast<float>(scale), mask.causal};
+                               static_cast<float>(scale), keys.masked};
   TestStream stream;
-  DeviceBuffer q(in.q), k(in.k), v(in.v), q_pos_dev(q_pos), k_pos_dev(k_pos);
+  DeviceBuffer q(in.q), k(in.k), v(in.v), k_pos_dev(k_pos);
+  DeviceBuffer first(keys.masked ? keys.first : q_pos), last(keys.masked ? keys.last : q_pos);  // unread unless masked
   DeviceBuffer out(in.q.sizes().vec(), in.q.scalar_type()), lse({p.batch, p.heads_q, p.seq_q}, torch::kFloat);
-  launch_block_attention_forward(q.get(), k.get(), v.get(), out.get(), lse.as<float>(), q_pos_dev.as<int64_t>(),
-                                 k_pos_dev.as<int64_t>(), p, kernel_dtype(in.q, "q"), stream.get());
+  launch_block_attention_forward(q.get(), k.get(), v.get(), out.get(), lse.as<float>(), first.as<int64_t>(),
+                                 last.as<int64_t>(), k_pos_dev.as<int64_t>(), p, kernel_dtype(in.q, "q"), stream.get());
   return {out.to_host(stream.get()), lse.to_host(stream.get())};
 }
 
@@ -414,6 +484,15 @@ CP_TEST(Lesson03Kernels, Task3_KernelCausalMaskFromGlobalPositions) {
     for (int64_t d : {32, 64, 128})
       check_forward_with(forward_kernel, {1, 4, 2, s, s, d, true}, mask, d == 64 ? torch::kBFloat16 : torch::kFloat,
                          22, "kernel, " + name);
+}
+
+CP_TEST(Lesson03Kernels, Task3_KernelWindowsAndDocumentsForEveryDtypeAndHeadDim) {
+  CP_REQUIRE_CUDA_RUNTIME();
+  const int64_t s = 150;  // tiles and blocks cut through windows and documents
+  for (const auto& [name, mask] : window_and_document_masks(s))
+    for (auto dtype : {torch::kFloat, torch::kHalf, torch::kBFloat16})
+      for (int64_t d : {32, 64, 128})
+        check_forward_with(forward_kernel, {1, 4, 2, s, s, d, mask.causal}, mask, dtype, 24, "kernel, " + name);
 }
 
 CP_TEST(Lesson03Kernels, Task3_KernelEmptyShapes) {

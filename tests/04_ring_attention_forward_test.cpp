@@ -5,6 +5,7 @@
 #include "common/error.h"
 #include "common/world.h"
 #include "ring_attention.h"
+#include "short_ring_schedule.h"
 #include "testing/harness.h"
 #include "testing/oracle.h"
 #include "testing/trace_reader.h"
@@ -149,6 +150,28 @@ CP_TEST(Lesson04, Task1_CausalSkipsExactlyTheLaterChunks) {
         EXPECT_EQ(stats.steps[i].pairs, p.chunk * p.chunk) << "a whole chunk × chunk block per step";
       }
     }
+  });
+}
+
+CP_TEST(Lesson04, Task1_ARingThatStopsEarlyRunsOnlyItsSteps) {
+  // A schedule whose `steps` is 2 (a window of one chunk): the ring runs steps 0 and 1 and sends
+  // K and V once, on every world (one rank: one step, nothing sent).
+  for_each_world([](Comm& comm) {
+    const Problem p{1, 2, 1, 20, 32};
+    const Sequence seq = make_sequence(p, comm.size(), 4);
+    const int n = comm.size(), steps = std::min(n, 2);
+    const int64_t s = seq.q.size(2), window = p.chunk;
+    RingOptions options = ring_options(true);
+    options.schedule = testing::two_step_window_schedule(window);
+    const RingResult r = ring_attention_forward(comm, shard(seq.q, comm), shard(seq.k, comm), shard(seq.v, comm), options);
+    testing::OracleMask mask{true, torch::arange(s), torch::arange(s), window, {}};
+    const auto [out, lse] = oracle_attention(seq.q, seq.k, seq.v, mask, 1.0 / std::sqrt(32.0));
+    const std::string what = "window of one chunk, rank " + std::to_string(comm.rank()) + " of " + std::to_string(n);
+    CP_EXPECT_CLOSE(r.out, shard(out, comm), "out " + what, {"b", "h", "s", "d"});
+    CP_EXPECT_CLOSE(r.lse, shard(lse, comm), "lse " + what, {"b", "h", "s"});
+    const int64_t chunk_bytes = 2 * p.batch * p.heads_kv * p.chunk * p.head_dim * static_cast<int64_t>(sizeof(float));
+    EXPECT_EQ(r.stats.steps_not_run, n - steps) << what;
+    EXPECT_EQ(r.stats.bytes_sent, (steps - 1) * chunk_bytes) << what << ": K and V of the steps run only";
   });
 }
 

@@ -6,6 +6,7 @@
 #include "common/tensor_checks.h"
 #include "common/world.h"
 #include "ring_attention_backward.h"
+#include "short_ring_schedule.h"
 #include "testing/device_buffer.h"
 #include "testing/harness.h"
 #include "testing/oracle.h"
@@ -42,16 +43,19 @@ torch::Tensor shard(const torch::Tensor& t, const Comm& comm) {
 }
 
 /// dq, dk, dv against float64 autograd of the same rounded inputs (`in` in the dtype under test).
-void expect_grads_match_autograd(const AttnGrads& g, const Inputs& in, bool causal, const torch::Tensor& q_pos,
-                                 const torch::Tensor& k_pos, const std::string& what) {
+void expect_grads_match_autograd(const AttnGrads& g, const Inputs& in, const testing::OracleMask& mask,
+                                 const std::string& what) {
   const double scale = 1.0 / std::sqrt(static_cast<double>(in.q.size(3)));
-  const auto [dq, dk, dv] = oracle_attention_grads(in.q, in.k, in.v, in.dout, causal, q_pos, k_pos, scale);
+  const auto [dq, dk, dv] = oracle_attention_grads(in.q, in.k, in.v, in.dout, mask, scale);
   const torch::ScalarType dtype = in.q.scalar_type();
   for (const auto& [grad, name] : {std::pair{&g.dq, "dq"}, {&g.dk, "dk"}, {&g.dv, "dv"}})
     EXPECT_EQ(grad->scalar_type(), torch::kFloat) << name << " is an accumulator: float32";
   const std::string where = what + " " + std::string(c10::toString(dtype));
-  CP_EXPECT_CLOSE(g.dq, dq, "dq " + where, kDims, testing::gradient_tolerance(dtype, dq));
-  CP_EXPECT_CLOSE(g.dk, dk, "dk " + where, kDims, testing::gradient_tolerance(dtype, dk));
+  // A window of one key: every row sees only itself, P = 1 and dS = dP − D = 0, so dq = dk = 0
+  // exactly and what the float32 code gives is the rounding of dP − D: measured against dv's size.
+  const bool zero_by_cancellation = mask.window == 1;
+  CP_EXPECT_CLOSE(g.dq, dq, "dq " + where, kDims, testing::gradient_tolerance(dtype, zero_by_cancellation ? dv : dq));
+  CP_EXPECT_CLOSE(g.dk, dk, "dk " + where, kDims, testing::gradient_tolerance(dtype, zero_by_cancellation ? dv : dk));
   CP_EXPECT_CLOSE(g.dv, dv, "dv " + where, kDims, testing::gradient_tolerance(dtype, dv));
 }
 
@@ -62,10 +66,12 @@ void check_block_backward(const Inputs& in32, const AttentionMask& mask, torch::
   auto on = [&](const torch::Tensor& t) { return t.to(device); };
   const torch::Tensor q_pos = mask.q_positions.defined() ? mask.q_positions : torch::arange(in.q.size(2));
   const torch::Tensor k_pos = mask.k_positions.defined() ? mask.k_positions : torch::arange(in.k.size(2));
-  AttentionMask on_device{mask.causal, q_pos.to(device), k_pos.to(device)};
+  AttentionMask on_device = mask;
+  on_device.q_positions = q_pos.to(device);
+  on_device.k_positions = k_pos.to(device);
   const AttnResult fwd = attention_block_forward(on(in.q), on(in.k), on(in.v), on_device);
   const AttnGrads g = attention_block_backward(on(in.dout), on(in.q), on(in.k), on(in.v), fwd.out, fwd.lse, on_device);
-  expect_grads_match_autograd(g, in, mask.causal, q_pos, k_pos, what);
+  expect_grads_match_autograd(g, in, {mask.causal, q_pos, k_pos, mask.window, mask.documents}, what);
 }
 
 /// A NaN put into one element of q, k, v or dout (head 0 of batch 0): a query row late in the
@@ -146,6 +152,16 @@ void check_empty_block_backward(torch::Device device) {
   check_block_backward(random_inputs(0, 2, 2, 5, 5, 128, 8), causal_mask(false), device, torch::kFloat, "no batch");
 }
 
+CP_TEST(Lesson05, Task1_WindowsAndDocumentsFromGlobalPositions) {
+  const int64_t s = 75;
+  for (const auto& [name, m] : testing::window_and_document_masks(s)) {
+    AttentionMask mask{m.causal, m.q_pos, m.k_pos};
+    mask.window = m.window;
+    mask.documents = m.documents;
+    check_block_backward(random_inputs(1, 2, 1, s, s, 32, 12), mask, torch::kCPU, torch::kFloat, name);
+  }
+}
+
 CP_TEST(Lesson05, Task1_EmptyShapes) { check_empty_block_backward(torch::kCPU); }
 
 CP_TEST(Lesson05, Task1_NanInputsGiveNanExactlyWhereTheDefinitionDoes) {
@@ -220,6 +236,32 @@ void check_ring_backward(Comm& comm, torch::Device device, torch::ScalarType dty
   // N − 1 hops of K and V in their dtype, N hops of the float32 dK, dV (none on one rank).
   const int64_t n = comm.size(), kv = 2 * 1 * 2 * chunk * d;  // K and V: B · Hkv · S/N · D each
   EXPECT_EQ(g.stats.bytes_sent, (n - 1) * kv * c10::elementSize(dtype) + (n > 1 ? n : 0) * kv * 4) << what;
+}
+
+CP_TEST(Lesson05, Task3_ARingThatStopsEarlySendsTheAccumulatorsStraightHome) {
+  // A schedule of 2 steps (a window of one chunk): after step 1 the dK, dV of chunk r − 1 are on
+  // rank r, one hop from home however large N is; they go straight back, not on round the ring.
+  for_each_world([](Comm& comm) {
+    const int64_t chunk = 24, window = 17;
+    const int n = comm.size(), steps = std::min(n, 2);
+    const Inputs in = random_inputs(1, 4, 2, chunk * n, chunk * n, 32, 22);
+    const int64_t s = in.q.size(2);
+    RingOptions options = ring_options(true);
+    options.schedule = testing::two_step_window_schedule(window);
+    const RingResult fwd = ring_attention_forward(comm, shard(in.q, comm), shard(in.k, comm), shard(in.v, comm), options);
+    const RingGrads g = ring_attention_backward(comm, shard(in.dout, comm), shard(in.q, comm), shard(in.k, comm),
+                                                shard(in.v, comm), fwd.out, fwd.lse, options);
+    const auto [dq, dk, dv] = oracle_attention_grads(in.q, in.k, in.v, in.dout,
+                                                     {true, torch::arange(s), torch::arange(s), window, {}},
+                                                     1.0 / std::sqrt(32.0));
+    const std::string what = "window of 17 keys, 2 steps, rank " + std::to_string(comm.rank()) + " of " + std::to_string(n);
+    CP_EXPECT_CLOSE(g.dq, shard(dq, comm), "dq " + what, kDims, testing::gradient_tolerance(torch::kFloat, dq));
+    CP_EXPECT_CLOSE(g.dk, shard(dk, comm), "dk " + what, kDims, testing::gradient_tolerance(torch::kFloat, dk));
+    CP_EXPECT_CLOSE(g.dv, shard(dv, comm), "dv " + what, kDims, testing::gradient_tolerance(torch::kFloat, dv));
+    const int64_t kv = 2 * 1 * 2 * chunk * 32 * 4;  // K and V (or dK and dV) in float32
+    EXPECT_EQ(g.stats.steps_not_run, n - steps) << what;
+    EXPECT_EQ(g.stats.bytes_sent, (steps - 1) * kv + (n > 1 ? steps : 0) * kv) << what;
+  });
 }
 
 CP_TEST(Lesson05, Task3_RingBackwardMatchesAutograd) {
@@ -325,35 +367,44 @@ CP_TEST(Lesson05Cuda, Task3_RingBackwardOnCudaForEveryDtypeAndHeadDim) {
 using testing::DeviceBuffer;
 using testing::TestStream;
 
-/// The backward kernels on `in` (any kernel dtype), given the forward's out and lse.
-AttnGrads backward_kernel(const Inputs& in, bool causal, const torch::Tensor& q_pos, const torch::Tensor& k_pos) {
+/// The backward kernels on `in` (any kernel dtype) under `m`, given the forward's out and lse.
+AttnGrads backward_kernel_masked(const Inputs& in, const testing::OracleMask& m) {
+  AttentionMask mask{m.causal, m.q_pos, m.k_pos};
+  mask.window = m.window;
+  mask.documents = m.documents;
+  const VisibleKeys keys = visible_keys(mask, m.q_pos);
   const BlockAttentionParams p{in.q.size(0), in.q.size(1), in.k.size(1), in.q.size(2), in.k.size(2), in.q.size(3),
-                               static_cast<float>(1.0 / std::sqrt(static_cast<double>(in.q.size(3)))), causal};
-  const auto [out64, lse64] = testing::oracle_attention(in.q, in.k, in.v, causal, q_pos, k_pos, p.scale);
+                               static_cast<float>(1.0 / std::sqrt(static_cast<double>(in.q.size(3)))), keys.masked};
+  const auto [out64, lse64] = testing::oracle_attention(in.q, in.k, in.v, m, p.scale);
   const torch::Tensor out = out64.to(in.q.scalar_type());  // what the forward kernel would have written
   // delta = rowsum(dO ∘ O), the term every dS of the row subtracts (float32, as the wrapper gives it).
   const torch::Tensor delta = (in.dout.to(torch::kDouble) * out.to(torch::kDouble)).sum(-1).to(torch::kFloat);
   TestStream stream;
   DeviceBuffer q(in.q), k(in.k), v(in.v), dout(in.dout), lse(lse64.to(torch::kFloat)), delta_dev(delta);
-  DeviceBuffer q_pos_dev(q_pos), k_pos_dev(k_pos);
+  DeviceBuffer first(keys.masked ? keys.first : m.q_pos), last(keys.masked ? keys.last : m.q_pos);  // unread unless masked
+  DeviceBuffer k_pos_dev(m.k_pos);
   DeviceBuffer dq(in.q.sizes().vec(), torch::kFloat), dk(in.k.sizes().vec(), torch::kFloat),
       dv(in.k.sizes().vec(), torch::kFloat);
   launch_block_attention_backward(q.get(), k.get(), v.get(), dout.get(), lse.as<float>(), delta_dev.as<float>(),
-                                  q_pos_dev.as<int64_t>(), k_pos_dev.as<int64_t>(), dq.as<float>(), dk.as<float>(),
-                                  dv.as<float>(), p, kernel_dtype(in.q, "q"), stream.get());
+                                  first.as<int64_t>(), last.as<int64_t>(), k_pos_dev.as<int64_t>(), dq.as<float>(),
+                                  dk.as<float>(), dv.as<float>(), p, kernel_dtype(in.q, "q"), stream.get());
   return {dq.to_host(stream.get()), dk.to_host(stream.get()), dv.to_host(stream.get())};
 }
 
+AttnGrads backward_kernel(const Inputs& in, bool causal, const torch::Tensor& q_pos, const torch::Tensor& k_pos) {
+  return backward_kernel_masked(in, {causal, q_pos, k_pos});
+}
+
 /// The kernels on random inputs of the given shape (rounded to dtype) against autograd.
-void check_backward_kernel(int64_t b, int64_t hq, int64_t hkv, int64_t sq, int64_t sk, int64_t d, bool causal,
-                           const torch::Tensor& q_pos, const torch::Tensor& k_pos, torch::ScalarType dtype,
-                           uint64_t seed, const std::string& what) {
+void check_backward_kernel(int64_t b, int64_t hq, int64_t hkv, int64_t sq, int64_t sk, int64_t d,
+                           const testing::OracleMask& mask, torch::ScalarType dtype, uint64_t seed,
+                           const std::string& what) {
   const Inputs in32 = random_inputs(b, hq, hkv, sq, sk, d, seed);
   const Inputs in{in32.q.to(dtype), in32.k.to(dtype), in32.v.to(dtype), in32.dout.to(dtype)};
   const std::string where = what + " B=" + std::to_string(b) + " Hq=" + std::to_string(hq) + " Hkv=" +
                             std::to_string(hkv) + " Sq=" + std::to_string(sq) + " Sk=" + std::to_string(sk) +
-                            " D=" + std::to_string(d) + (causal ? " causal" : "");
-  expect_grads_match_autograd(backward_kernel(in, causal, q_pos, k_pos), in, causal, q_pos, k_pos, where);
+                            " D=" + std::to_string(d) + (mask.causal ? " causal" : "");
+  expect_grads_match_autograd(backward_kernel_masked(in, mask), in, mask, where);
 }
 
 CP_TEST(Lesson05Kernels, Task2_KernelsMatchAutogradForEveryDtypeHeadDimAndGroup) {
@@ -365,7 +416,7 @@ CP_TEST(Lesson05Kernels, Task2_KernelsMatchAutogradForEveryDtypeHeadDimAndGroup)
       for (bool causal : {false, true}) {
         const int64_t heads_kv = int64_t{4} >> (seed % 3);  // Hq/Hkv = 1, 2, 4 in turn
         const int64_t batch = d == 32 ? 2 : 1;              // B > 1 once per dtype; D = 128 is slow on a CPU
-        check_backward_kernel(batch, 4, heads_kv, 70, 97, d, causal, q_pos, k_pos, dtype, seed++, "kernels");
+        check_backward_kernel(batch, 4, heads_kv, 70, 97, d, {causal, q_pos, k_pos}, dtype, seed++, "kernels");
       }
 }
 
@@ -375,8 +426,20 @@ CP_TEST(Lesson05Kernels, Task2_KernelsCausalMaskFromGlobalPositions) {
   const int64_t s = 100;
   for (const testing::PositionLayout& l : testing::causal_position_layouts(s))
     for (int64_t d : {32, 128})
-      check_backward_kernel(1, 4, 2, s, s, d, true, l.q_pos, l.k_pos, d == 32 ? torch::kFloat : torch::kBFloat16, 23,
-                            "kernels, " + l.name);
+      check_backward_kernel(1, 4, 2, s, s, d, {true, l.q_pos, l.k_pos}, d == 32 ? torch::kFloat : torch::kBFloat16,
+                            23, "kernels, " + l.name);
+}
+
+CP_TEST(Lesson05Kernels, Task2_KernelsWindowsAndDocumentsForEveryDtypeAndHeadDim) {
+  CP_REQUIRE_CUDA_RUNTIME();
+  const int64_t s = 100;
+  const std::vector<torch::ScalarType> dtypes = {torch::kFloat, torch::kHalf, torch::kBFloat16};
+  const std::vector<int64_t> dims = {32, 64, 128};
+  int turn = 0;  // every mask once, dtype and head dim in turn (D = 128 is slow on a CPU)
+  for (const auto& [name, mask] : testing::window_and_document_masks(s)) {
+    check_backward_kernel(1, 4, 2, s, s, dims[turn % 3], mask, dtypes[(turn / 3 + turn) % 3], 25, "kernels, " + name);
+    ++turn;
+  }
 }
 
 CP_TEST(Lesson05Kernels, Task2_KernelsNanInputsGiveNanExactlyWhereTheDefinitionDoes) {
@@ -387,9 +450,9 @@ CP_TEST(Lesson05Kernels, Task2_KernelsNanInputsGiveNanExactlyWhereTheDefinitionD
 CP_TEST(Lesson05Kernels, Task2_KernelsEmptyShapes) {
   // No keys: dq = 0. No queries: dk = dv = 0. No batch: nothing to do.
   CP_REQUIRE_CUDA_RUNTIME();
-  check_backward_kernel(1, 2, 1, 10, 0, 32, false, torch::arange(10), torch::arange(0), torch::kFloat, 6, "no keys");
-  check_backward_kernel(1, 2, 1, 0, 10, 64, true, torch::arange(0), torch::arange(10), torch::kFloat, 7, "no queries");
-  check_backward_kernel(0, 2, 2, 5, 5, 128, false, torch::arange(5), torch::arange(5), torch::kFloat, 8, "no batch");
+  check_backward_kernel(1, 2, 1, 10, 0, 32, {false, torch::arange(10), torch::arange(0)}, torch::kFloat, 6, "no keys");
+  check_backward_kernel(1, 2, 1, 0, 10, 64, {true, torch::arange(0), torch::arange(10)}, torch::kFloat, 7, "no queries");
+  check_backward_kernel(0, 2, 2, 5, 5, 128, {false, torch::arange(5), torch::arange(5)}, torch::kFloat, 8, "no batch");
 }
 #else
 CP_KERNEL_TESTS_NEED_CUDA(Lesson05Kernels)

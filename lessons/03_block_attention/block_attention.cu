@@ -40,15 +40,16 @@ __global__ void __launch_bounds__(kBr * (D / kSlice))
                                    const T* __restrict__ v,        // [B, Hkv, Sk, D]
                                    T* __restrict__ out,            // [B, Hq, Sq, D]
                                    float* __restrict__ lse,        // [B, Hq, Sq]
-                                   const int64_t* __restrict__ q_pos,  // [Sq]
-                                   const int64_t* __restrict__ k_pos,  // [Sk]
+                                   const int64_t* __restrict__ q_first,  // [Sq]: the first and last key
+                                   const int64_t* __restrict__ q_last,   // [Sq]  position each query sees
+                                   const int64_t* __restrict__ k_pos,    // [Sk]
                                    BlockAttentionParams p) {
   constexpr int kGroup = D / kSlice;  // threads per query row
   extern __shared__ float smem[];
   float* k_tile = smem;                          // [kBc][Tile::kStride]
   float* v_tile = smem + kBc * Tile<D>::kStride;  // [kBc][Tile::kStride]
   __shared__ int64_t kpos_tile[kBc];
-  __shared__ int64_t block_max_q_pos;
+  __shared__ int64_t block_first, block_last;  // the smallest first and the largest last of the block's rows
 
   const int64_t bh = blockIdx.x;  // b * Hq + h
   const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
@@ -66,24 +67,32 @@ __global__ void __launch_bounds__(kBr * (D / kSlice))
     q_reg[d] = active ? kernels::to_float(q[(bh * p.seq_q + i) * D + g * kSlice + d]) * p.scale : 0.0f;
     o[d] = 0.0f;
   }
-  const int64_t my_pos = active ? q_pos[i] : LLONG_MIN;
+  const int64_t my_first = active && p.masked ? q_first[i] : LLONG_MIN;  // this row sees my_first .. my_last
+  const int64_t my_last = active && p.masked ? q_last[i] : LLONG_MAX;
   float m = -INFINITY, l = 0.0f;
 
-  if (t == 0) {  // the last position of the block's queries: tiles after it are skipped whole
-    int64_t max_pos = LLONG_MIN;
-    for (int r = 0; r < kBr && row0 + r < p.seq_q; ++r) max_pos = q_pos[row0 + r] > max_pos ? q_pos[row0 + r] : max_pos;
-    block_max_q_pos = max_pos;
+  if (t == 0 && p.masked) {  // the keys any row of the block sees: tiles outside them are skipped whole
+    int64_t first = LLONG_MAX, last = LLONG_MIN;
+    for (int r = 0; r < kBr && row0 + r < p.seq_q; ++r) {
+      first = q_first[row0 + r] < first ? q_first[row0 + r] : first;
+      last = q_last[row0 + r] > last ? q_last[row0 + r] : last;
+    }
+    block_first = first;
+    block_last = last;
   }
 
   for (int64_t j0 = 0; j0 < p.seq_k; j0 += kBc) {
     const int n = p.seq_k - j0 < kBc ? static_cast<int>(p.seq_k - j0) : kBc;  // keys in this tile
     if (t < kBc) kpos_tile[t] = t < n ? k_pos[j0 + t] : LLONG_MAX;
-    __syncthreads();  // kpos_tile and block_max_q_pos are visible to all threads
+    __syncthreads();  // kpos_tile, block_first and block_last are visible to all threads
 
-    if (p.causal) {  // the same answer in every thread: the whole block skips or none does
-      int64_t min_k_pos = LLONG_MAX;
-      for (int jj = 0; jj < n; ++jj) min_k_pos = kpos_tile[jj] < min_k_pos ? kpos_tile[jj] : min_k_pos;
-      if (min_k_pos > block_max_q_pos) {
+    if (p.masked) {  // the same answer in every thread: the whole block skips or none does
+      int64_t min_k_pos = LLONG_MAX, max_k_pos = LLONG_MIN;
+      for (int jj = 0; jj < n; ++jj) {
+        min_k_pos = kpos_tile[jj] < min_k_pos ? kpos_tile[jj] : min_k_pos;
+        max_k_pos = kpos_tile[jj] > max_k_pos ? kpos_tile[jj] : max_k_pos;
+      }
+      if (min_k_pos > block_last || max_k_pos < block_first) {
         __syncthreads();  // nobody rewrites kpos_tile while another thread still reads it
         continue;
       }
@@ -96,7 +105,7 @@ __global__ void __launch_bounds__(kBr * (D / kSlice))
     // BEGIN YOUR CODE task 3: scores of the tile and the (m, l, O) update
     // TODO(lesson 03, task 3): (a) the tile's scores (dot product, shuffle, mask), then the (m, l, O) update.
     // README, "Task 3 — the CUDA kernel and its launch (`block_attention.cu`)", (a): steps 4 and 5.
-    (void)m, (void)l, (void)my_pos, (void)q_reg;
+    (void)m, (void)l, (void)my_first, (void)my_last, (void)q_reg;
     // END YOUR CODE
     __syncthreads();  // every row is done with the tiles before the next iteration overwrites them
   }
@@ -110,8 +119,8 @@ __global__ void __launch_bounds__(kBr * (D / kSlice))
 }
 
 template <typename T, int D>
-void launch(const void* q, const void* k, const void* v, void* out, float* lse, const int64_t* q_pos,
-            const int64_t* k_pos, const BlockAttentionParams& p, cudaStream_t stream) {
+void launch(const void* q, const void* k, const void* v, void* out, float* lse, const int64_t* q_first,
+            const int64_t* q_last, const int64_t* k_pos, const BlockAttentionParams& p, cudaStream_t stream) {
   const auto kernel = block_attention_forward_kernel<T, D>;
   int device = 0, max_shared = 0;
   CUDA_CHECK(cudaGetDevice(&device));
@@ -122,8 +131,8 @@ void launch(const void* q, const void* k, const void* v, void* out, float* lse, 
   // BEGIN YOUR CODE task 3: launch
   // TODO(lesson 03, task 3): (c) launch `kernel` on `grid`, with its threads and dynamic shared memory, and check it.
   // README, "Task 3 — the CUDA kernel and its launch (`block_attention.cu`)", (c).
-  (void)kernel, (void)grid, (void)q, (void)k, (void)v, (void)out, (void)lse, (void)q_pos, (void)k_pos,
-  (void)stream;
+  (void)kernel, (void)grid, (void)q, (void)k, (void)v, (void)out, (void)lse, (void)q_first, (void)q_last,
+  (void)k_pos, (void)stream;
   throw NotImplemented("lesson 03, task 3: launch the block attention kernel");
   // END YOUR CODE
 }
@@ -135,8 +144,8 @@ bool block_attention_supports_head_dim(int64_t head_dim) {
 }
 
 void launch_block_attention_forward(const void* q, const void* k, const void* v, void* out, float* lse,
-                                    const int64_t* q_pos, const int64_t* k_pos, const BlockAttentionParams& p,
-                                    DType dtype, cudaStream_t stream) {
+                                    const int64_t* q_first, const int64_t* q_last, const int64_t* k_pos,
+                                    const BlockAttentionParams& p, DType dtype, cudaStream_t stream) {
   CP_CHECK(block_attention_supports_head_dim(p.head_dim), "block attention: unsupported head dim ", p.head_dim);
   CP_CHECK(p.batch * p.heads_q <= INT32_MAX && (p.seq_q + kBr - 1) / kBr <= 65535,
            "block attention: grid too large (B·Hq = ", p.batch * p.heads_q, ", Sq = ", p.seq_q, ")");
@@ -144,9 +153,9 @@ void launch_block_attention_forward(const void* q, const void* k, const void* v,
   kernels::dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     switch (p.head_dim) {
-      case 32: launch<T, 32>(q, k, v, out, lse, q_pos, k_pos, p, stream); break;
-      case 64: launch<T, 64>(q, k, v, out, lse, q_pos, k_pos, p, stream); break;
-      case 128: launch<T, 128>(q, k, v, out, lse, q_pos, k_pos, p, stream); break;
+      case 32: launch<T, 32>(q, k, v, out, lse, q_first, q_last, k_pos, p, stream); break;
+      case 64: launch<T, 64>(q, k, v, out, lse, q_first, q_last, k_pos, p, stream); break;
+      case 128: launch<T, 128>(q, k, v, out, lse, q_first, q_last, k_pos, p, stream); break;
     }
   });
 }

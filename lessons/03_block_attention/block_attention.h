@@ -11,14 +11,39 @@
 
 namespace cp {
 
-/// Which (query, key) pairs may attend. Causality is decided from *global* token positions,
+/// Which (query, key) pairs may attend. Everything is decided from *global* token positions,
 /// never from local indices, so every later layout (ring chunk, zig-zag, stripe) is just other
-/// positions: key j is visible to query i iff !causal or k_positions[j] <= q_positions[i].
+/// positions: key j is visible to query i iff
+///   causal:    k_positions[j] <= q_positions[i] (when causal is set),
+///   window:    q_positions[i] − k_positions[j] < window (when window > 0; causal only),
+///   documents: both positions lie in the same document (when documents is set).
+/// Lesson 12 adds the window and the documents; until then both are off.
 struct AttentionMask {
   bool causal = false;
   torch::Tensor q_positions;  ///< [Sq] int64, on q's device; undefined: 0 .. Sq−1
   torch::Tensor k_positions;  ///< [Sk] int64, on q's device; undefined: 0 .. Sk−1
+  int64_t window = 0;         ///< sliding window of W keys (the query's own and W − 1 before it); 0: none
+  /// Packed documents: the cumulative lengths (cu_seqlens) of the whole sequence, int64
+  /// [n_docs + 1] on any device, 0 = c_0 <= c_1 <= … <= c_n; document d holds the positions
+  /// [c_d, c_{d+1}). Positions >= c_n are padding: they see no key and no query sees them.
+  /// Undefined: the whole sequence is one document.
+  torch::Tensor documents;
 };
+
+/// Every mask above is a range of key positions per query, because a document and a window are
+/// contiguous in position: key j is visible to query i iff first[i] <= k_positions[j] <= last[i]
+/// (first > last: no key). This is what the CPU path and the kernels test, pair by pair, and how
+/// they skip a whole tile (every key of it outside every row's range).
+struct VisibleKeys {
+  bool masked = false;  ///< false: every pair is visible (no causal, no documents) and first/last are undefined
+  torch::Tensor first;  ///< [Sq] int64, on q's device
+  torch::Tensor last;   ///< [Sq] int64, on q's device
+};
+
+/// The visible keys of each query of `mask` (q_pos: the checked query positions, e.g. from
+/// mask_positions). Checks the mask: window >= 1 only with causal, documents int64 [n >= 2] from 0
+/// and non-decreasing, no negative position with documents; errors name the field.
+VisibleKeys visible_keys(const AttentionMask& mask, const torch::Tensor& q_pos);
 
 /// A mask by name: causal or not, positions 0 .. S−1 (set the positions by name when they differ).
 inline AttentionMask causal_mask(bool causal) {
@@ -31,6 +56,9 @@ inline AttentionMask causal_mask(bool causal) {
 struct AttnResult {
   torch::Tensor out;  ///< [B, Hq, Sq, D]
   torch::Tensor lse;  ///< [B, Hq, Sq] float32: log Σ_j exp(scale · q·k_j) over visible keys; −inf if none
+  /// CPU path: the (query tile, key tile) pairs of 32 × 32 computed, and those skipped because the
+  /// mask hides every pair of them, over all batches and heads. The CUDA path leaves both 0.
+  int64_t tiles_computed = 0, tiles_skipped = 0;
 };
 
 /// Shapes of an attention call.

@@ -36,6 +36,8 @@ struct BlockPlan {
   bool compute = false;  ///< false: the whole block is masked, skip it
   int64_t q_begin = 0, q_len = 0, k_begin = 0, k_len = 0;
   bool causal_mask = false;
+  int64_t window = 0;       ///< the block's sliding window (AttentionMask::window; lesson 12), 0: none
+  torch::Tensor documents;  ///< the block's documents (AttentionMask::documents; lesson 12), undefined: none
 };
 
 /// The mask of a planned block: the planned rows' positions, causal only if the plan says so.
@@ -48,7 +50,15 @@ AttentionMask plan_mask(const BlockPlan& plan, const torch::Tensor& q_positions,
 struct RingSchedule {
   std::function<torch::Tensor(int rank, int world, int64_t chunk, torch::Device device)> positions;
   std::function<BlockPlan(int rank, int source, int world, int64_t chunk, bool causal)> plan;
+  /// How many ring steps to run, the same on every rank: steps 0 … steps − 1 bring the chunks of
+  /// ranks r, r − 1, …, r − steps + 1, and no block of a later step may be computed (a sliding
+  /// window needs only the last few chunks: lesson 12). Unset: N, every chunk visits every rank.
+  std::function<int(int world, int64_t chunk, bool causal)> steps;
 };
+
+/// The ring steps to run under `schedule` (RingSchedule::steps, or N when it is unset), checked
+/// to lie in 1 … N.
+int ring_steps(const RingSchedule& schedule, int world, int64_t chunk, bool causal);
 
 /// Rank r holds tokens [r·chunk, (r+1)·chunk). Causal: the own chunk with the mask, earlier chunks
 /// whole without it, later chunks skipped.
@@ -87,7 +97,8 @@ struct StepWork {
 /// What one rank did.
 struct RingStats {
   int steps_computed = 0;  ///< ring steps whose block was computed
-  int steps_skipped = 0;   ///< causal: steps whose K/V chunk lies entirely after this rank's queries
+  int steps_skipped = 0;   ///< ring steps run whose block was masked whole (causal: a chunk after all our queries)
+  int steps_not_run = 0;   ///< N − ring_steps: steps the schedule stopped before (nothing sent for them)
   int64_t bytes_sent = 0;  ///< payload this rank sent
   std::vector<StepWork> steps;  ///< one entry per computed step
 };

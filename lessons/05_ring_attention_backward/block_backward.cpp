@@ -72,7 +72,7 @@ void tile_products(const float* a, int64_t rows, const float* bt, int64_t dp, fl
 /// Task 1: the gradients of one tile pair: `rows` query rows (q, dout, dq: [rows][dp]; lse,
 /// delta: [rows]) against the kBc keys of a key tile (k, dk, dv: [kBc][dp]). s and dpt
 /// ([rows][kBc]) hold q_i · k_j and dout_i · v_j. hidden ([rows][kBc], 1 = hidden) is null when
-/// every pair is visible; else it marks the pairs to skip: the causal mask, rows with lse = -inf,
+/// every pair is visible; else it marks the pairs to skip: the mask, rows with lse = -inf,
 /// keys past the last. Adds into dq, dk, dv.
 void backward_tile(const float* s, const float* dpt, const uint8_t* hidden, const float* q, const float* dout,
                    const float* k, const float* lse, const float* delta, int64_t rows, float scale, int64_t dp,
@@ -90,8 +90,8 @@ void backward_tile(const float* s, const float* dpt, const uint8_t* hidden, cons
 /// (each head's rows of it) and dk, dv ([seq_k][d_model]) into the float32 outputs.
 template <typename T>
 void backward_group(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta,
-                    const int64_t* q_pos, const int64_t* k_pos, bool causal, float scale, const AttentionShapes& s,
-                    int64_t group, float* dq, float* dk, float* dv) {
+                    const int64_t* first, const int64_t* last, const int64_t* k_pos, float scale,
+                    const AttentionShapes& s, int64_t group, float* dq, float* dk, float* dv) {
   const int64_t d_model = s.head_dim, dp = kernels::padded_dim(d_model);
   const int64_t key_tiles = (s.seq_k + kBc - 1) / kBc, query_tiles = (s.seq_q + kBr - 1) / kBr;
   std::vector<float> kt, vt, k_rows, q_rows, do_rows, dq_acc;
@@ -99,9 +99,10 @@ void backward_group(const T* q, const T* k, const T* v, const T* dout, const flo
   pack_transposed(v, s.seq_k, d_model, dp, vt);
   pack_rows(k, s.seq_k, d_model, dp, kBc, k_rows);
   std::vector<float> dk_acc(k_rows.size(), 0.0f), dv_acc(k_rows.size(), 0.0f);
-  std::vector<int64_t> k_min, k_max, q_min, q_max;  // positions of each tile
+  std::vector<int64_t> k_min, k_max;  // positions of each key tile
   kernels::tile_position_bounds(k_pos, s.seq_k, kBc, k_min, k_max);
-  kernels::tile_position_bounds(q_pos, s.seq_q, kBr, q_min, q_max);
+  std::vector<kernels::RowRanges> ranges;  // the keys each query tile sees (first = nullptr: all)
+  for (int64_t i0 = 0; i0 < s.seq_q; i0 += kBr) ranges.push_back(kernels::row_ranges(first, last, i0, std::min(kBr, s.seq_q - i0)));
   alignas(16) float s_tile[kBr * kBc], dp_tile[kBr * kBc];
   uint8_t hidden[kBr * kBc];
   const int64_t sd = s.seq_q * d_model;
@@ -118,13 +119,14 @@ void backward_group(const T* q, const T* k, const T* v, const T* dout, const flo
       const int64_t j0 = t * kBc, n = std::min(kBc, s.seq_k - j0);
       for (int64_t u = 0; u < query_tiles; ++u) {
         const int64_t i0 = u * kBr, rows = std::min(kBr, s.seq_q - i0);
-        if (causal && k_min[t] > q_max[u]) continue;  // every key of the tile after every row: skip the pair
-        const bool masked = (causal && k_max[t] > q_min[u]) || n < kBc || empty_row_in_tile[u];
+        if (ranges[u].misses(k_min[t], k_max[t])) continue;  // no row sees any key of the tile: skip the pair
+        const bool by_mask = !ranges[u].sees_all(k_min[t], k_max[t]);
+        const bool masked = by_mask || n < kBc || empty_row_in_tile[u];
         if (masked) {
           for (int64_t i = 0; i < rows; ++i)
             for (int64_t jj = 0; jj < kBc; ++jj)
-              hidden[i * kBc + jj] =
-                  jj >= n || lse_h[i0 + i] == -INFINITY || (causal && k_pos[j0 + jj] > q_pos[i0 + i]);
+              hidden[i * kBc + jj] = jj >= n || lse_h[i0 + i] == -INFINITY ||
+                                     (by_mask && (k_pos[j0 + jj] < first[i0 + i] || k_pos[j0 + jj] > last[i0 + i]));
         }
         tile_products(q_rows.data() + i0 * dp, rows, kt.data() + t * dp * kBc, dp, s_tile);
         tile_products(do_rows.data() + i0 * dp, rows, vt.data() + t * dp * kBc, dp, dp_tile);
@@ -164,6 +166,9 @@ AttnGrads attention_block_backward(const torch::Tensor& dout_in, const torch::Te
   const torch::Tensor dout = dout_in.contiguous(), lse = lse_in.contiguous();
   const torch::Tensor q_pos = mask_positions(mask.q_positions, s.seq_q, q.device(), "mask.q_positions");
   const torch::Tensor k_pos = mask_positions(mask.k_positions, s.seq_k, q.device(), "mask.k_positions");
+  const VisibleKeys keys = visible_keys(mask, q_pos);
+  const int64_t* first = keys.masked ? keys.first.data_ptr<int64_t>() : nullptr;
+  const int64_t* last = keys.masked ? keys.last.data_ptr<int64_t>() : nullptr;
   const float softmax_scale = static_cast<float>(scale.value_or(1.0 / std::sqrt(static_cast<double>(s.head_dim))));
   const torch::Tensor delta = softmax_backward_delta(dout, out_in).contiguous();
   const auto f32 = q.options().dtype(torch::kFloat);
@@ -173,10 +178,10 @@ AttnGrads attention_block_backward(const torch::Tensor& dout_in, const torch::Te
 #if CP_WITH_CUDA
     CP_CHECK(block_attention_supports_head_dim(s.head_dim), "q: head dim ", s.head_dim,
              " is not supported by the CUDA kernels (32, 64 or 128)");
-    const BlockAttentionParams params{s.batch, s.heads_q, s.heads_kv, s.seq_q, s.seq_k, s.head_dim, softmax_scale, mask.causal};
+    const BlockAttentionParams params{s.batch, s.heads_q, s.heads_kv, s.seq_q, s.seq_k, s.head_dim, softmax_scale, keys.masked};
     const CudaDeviceScope cuda(q.device());  // q's GPU and its current stream
     launch_block_attention_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), lse.data_ptr<float>(),
-                                    delta.data_ptr<float>(), q_pos.data_ptr<int64_t>(), k_pos.data_ptr<int64_t>(),
+                                    delta.data_ptr<float>(), first, last, k_pos.data_ptr<int64_t>(),
                                     grads.dq.data_ptr<float>(), grads.dk.data_ptr<float>(), grads.dv.data_ptr<float>(),
                                     params, kernel_dtype(q, "q"), cuda.stream());
     return grads;
@@ -192,7 +197,7 @@ AttnGrads attention_block_backward(const torch::Tensor& dout_in, const torch::Te
         backward_group(q.data_ptr<scalar_t>() + bh * sd, k.data_ptr<scalar_t>() + bh_kv * kd,
                        v.data_ptr<scalar_t>() + bh_kv * kd, dout.data_ptr<scalar_t>() + bh * sd,
                        lse.data_ptr<float>() + bh * s.seq_q, delta.data_ptr<float>() + bh * s.seq_q,
-                       q_pos.data_ptr<int64_t>(), k_pos.data_ptr<int64_t>(), mask.causal, softmax_scale, s, group,
+                       first, last, k_pos.data_ptr<int64_t>(), softmax_scale, s, group,
                        grads.dq.data_ptr<float>() + bh * sd, grads.dk.data_ptr<float>() + bh_kv * kd,
                        grads.dv.data_ptr<float>() + bh_kv * kd);
       }

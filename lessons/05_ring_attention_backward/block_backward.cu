@@ -28,15 +28,16 @@ using kernels::group_sum;
 template <typename T, int D>
 __global__ void __launch_bounds__(kRows * (D / 32))
     dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ dout,
-              const float* __restrict__ lse, const float* __restrict__ delta, const int64_t* __restrict__ q_pos,
-              const int64_t* __restrict__ k_pos, float* __restrict__ dq, BlockAttentionParams p) {
+              const float* __restrict__ lse, const float* __restrict__ delta, const int64_t* __restrict__ q_first,
+              const int64_t* __restrict__ q_last, const int64_t* __restrict__ k_pos, float* __restrict__ dq,
+              BlockAttentionParams p) {
   constexpr int kSlice = 32;
   using L = kernels::PaddedTile<D, kSlice>;
   extern __shared__ float smem[];
   float* k_tile = smem;                   // [kTile][kStride]
   float* v_tile = smem + kTile * L::kStride;
   __shared__ int64_t kpos_tile[kTile];
-  __shared__ int64_t block_max_q_pos;
+  __shared__ int64_t block_first, block_last;  // the smallest first and the largest last of the block's rows
 
   const int64_t bh = blockIdx.x, b = bh / p.heads_q, h = bh % p.heads_q;
   const int64_t bh_kv = b * p.heads_kv + h / (p.heads_q / p.heads_kv);
@@ -54,21 +55,29 @@ __global__ void __launch_bounds__(kRows * (D / 32))
   }
   const float lse_i = active ? lse[bh * p.seq_q + i] : -INFINITY;
   const float delta_i = active ? delta[bh * p.seq_q + i] : 0.0f;
-  const int64_t my_pos = active ? q_pos[i] : LLONG_MIN;
-  if (threadIdx.x == 0) {
-    int64_t max_pos = LLONG_MIN;
-    for (int r = 0; r < kRows && row0 + r < p.seq_q; ++r) max_pos = q_pos[row0 + r] > max_pos ? q_pos[row0 + r] : max_pos;
-    block_max_q_pos = max_pos;
+  const int64_t my_first = active && p.masked ? q_first[i] : LLONG_MIN;  // this row sees my_first .. my_last
+  const int64_t my_last = active && p.masked ? q_last[i] : LLONG_MAX;
+  if (threadIdx.x == 0 && p.masked) {
+    int64_t first = LLONG_MAX, last = LLONG_MIN;
+    for (int r = 0; r < kRows && row0 + r < p.seq_q; ++r) {
+      first = q_first[row0 + r] < first ? q_first[row0 + r] : first;
+      last = q_last[row0 + r] > last ? q_last[row0 + r] : last;
+    }
+    block_first = first;
+    block_last = last;
   }
 
   for (int64_t j0 = 0; j0 < p.seq_k; j0 += kTile) {
     const int n = p.seq_k - j0 < kTile ? static_cast<int>(p.seq_k - j0) : kTile;
     if (threadIdx.x < kTile) kpos_tile[threadIdx.x] = threadIdx.x < n ? k_pos[j0 + threadIdx.x] : LLONG_MAX;
-    __syncthreads();  // kpos_tile and block_max_q_pos are visible
-    if (p.causal) {
-      int64_t min_k_pos = LLONG_MAX;
-      for (int jj = 0; jj < n; ++jj) min_k_pos = kpos_tile[jj] < min_k_pos ? kpos_tile[jj] : min_k_pos;
-      if (min_k_pos > block_max_q_pos) {  // every key of the tile is after every query of the block
+    __syncthreads();  // kpos_tile, block_first and block_last are visible
+    if (p.masked) {
+      int64_t min_k_pos = LLONG_MAX, max_k_pos = LLONG_MIN;
+      for (int jj = 0; jj < n; ++jj) {
+        min_k_pos = kpos_tile[jj] < min_k_pos ? kpos_tile[jj] : min_k_pos;
+        max_k_pos = kpos_tile[jj] > max_k_pos ? kpos_tile[jj] : max_k_pos;
+      }
+      if (min_k_pos > block_last || max_k_pos < block_first) {  // no query of the block sees a key of the tile
         __syncthreads();                  // nobody rewrites kpos_tile while others still read it
         continue;
       }
@@ -80,7 +89,7 @@ __global__ void __launch_bounds__(kRows * (D / 32))
     // BEGIN YOUR CODE task 2: dQ of one key tile
     // TODO(lesson 05, task 2): (a) for each key of the tile: s and dP (group_sum), then ds and dq_acc += ds·k.
     // README, "Task 2 — the two kernels and their launch (`block_backward.cu`)", (a).
-    (void)lse_i, (void)delta_i, (void)my_pos, (void)q_reg, (void)do_reg;
+    (void)lse_i, (void)delta_i, (void)my_first, (void)my_last, (void)q_reg, (void)do_reg;
     // END YOUR CODE
     __syncthreads();  // done with the tiles before the next iteration overwrites them
   }
@@ -92,16 +101,17 @@ template <typename T, int D>
 __global__ void __launch_bounds__(kRows * (D / 16))
     dkdv_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                 const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
-                const int64_t* __restrict__ q_pos, const int64_t* __restrict__ k_pos, float* __restrict__ dk,
-                float* __restrict__ dv, BlockAttentionParams p) {
+                const int64_t* __restrict__ q_first, const int64_t* __restrict__ q_last,
+                const int64_t* __restrict__ k_pos, float* __restrict__ dk, float* __restrict__ dv,
+                BlockAttentionParams p) {
   constexpr int kSlice = 16;  // four accumulators per row (k, v, dk, dv): smaller slices, fewer registers
   using L = kernels::PaddedTile<D, kSlice>;
   extern __shared__ float smem[];
   float* q_tile = smem;                    // [kTile][kStride]
   float* do_tile = smem + kTile * L::kStride;
   __shared__ float lse_tile[kTile], delta_tile[kTile];
-  __shared__ int64_t qpos_tile[kTile];
-  __shared__ int64_t block_min_k_pos;
+  __shared__ int64_t first_tile[kTile], last_tile[kTile];  // the keys each query of the tile sees
+  __shared__ int64_t block_min_k_pos, block_max_k_pos;
 
   const int64_t bkv = blockIdx.x, b = bkv / p.heads_kv, h_kv = bkv % p.heads_kv;
   const int64_t group = p.heads_q / p.heads_kv;
@@ -119,9 +129,13 @@ __global__ void __launch_bounds__(kRows * (D / 16))
   }
   const int64_t my_pos = active ? k_pos[j] : LLONG_MAX;
   if (threadIdx.x == 0) {
-    int64_t min_pos = LLONG_MAX;
-    for (int r = 0; r < kRows && row0 + r < p.seq_k; ++r) min_pos = k_pos[row0 + r] < min_pos ? k_pos[row0 + r] : min_pos;
+    int64_t min_pos = LLONG_MAX, max_pos = LLONG_MIN;
+    for (int r = 0; r < kRows && row0 + r < p.seq_k; ++r) {
+      min_pos = k_pos[row0 + r] < min_pos ? k_pos[row0 + r] : min_pos;
+      max_pos = k_pos[row0 + r] > max_pos ? k_pos[row0 + r] : max_pos;
+    }
     block_min_k_pos = min_pos;
+    block_max_k_pos = max_pos;
   }
 
   for (int64_t hq = b * p.heads_q + h_kv * group; hq < b * p.heads_q + (h_kv + 1) * group; ++hq) {
@@ -129,15 +143,19 @@ __global__ void __launch_bounds__(kRows * (D / 16))
       const int n = p.seq_q - i0 < kTile ? static_cast<int>(p.seq_q - i0) : kTile;
       if (threadIdx.x < kTile) {
         const bool in = threadIdx.x < n;
-        qpos_tile[threadIdx.x] = in ? q_pos[i0 + threadIdx.x] : LLONG_MIN;
+        first_tile[threadIdx.x] = !in ? LLONG_MAX : p.masked ? q_first[i0 + threadIdx.x] : LLONG_MIN;
+        last_tile[threadIdx.x] = !in ? LLONG_MIN : p.masked ? q_last[i0 + threadIdx.x] : LLONG_MAX;
         lse_tile[threadIdx.x] = in ? lse[hq * p.seq_q + i0 + threadIdx.x] : -INFINITY;
         delta_tile[threadIdx.x] = in ? delta[hq * p.seq_q + i0 + threadIdx.x] : 0.0f;
       }
-      __syncthreads();  // the query tile's positions, lse and delta are visible
-      if (p.causal) {
-        int64_t max_q_pos = LLONG_MIN;
-        for (int ii = 0; ii < n; ++ii) max_q_pos = qpos_tile[ii] > max_q_pos ? qpos_tile[ii] : max_q_pos;
-        if (max_q_pos < block_min_k_pos) {  // every query of the tile is before every key of the block
+      __syncthreads();  // the query tile's ranges, lse and delta are visible
+      if (p.masked) {
+        int64_t first = LLONG_MAX, last = LLONG_MIN;
+        for (int ii = 0; ii < n; ++ii) {
+          first = first_tile[ii] < first ? first_tile[ii] : first;
+          last = last_tile[ii] > last ? last_tile[ii] : last;
+        }
+        if (last < block_min_k_pos || first > block_max_k_pos) {  // no query of the tile sees a key of the block
           __syncthreads();                  // nobody rewrites the tile arrays while others still read them
           continue;
         }
@@ -164,8 +182,8 @@ __global__ void __launch_bounds__(kRows * (D / 16))
 
 template <typename T, int D>
 void launch(const void* q, const void* k, const void* v, const void* dout, const float* lse, const float* delta,
-            const int64_t* q_pos, const int64_t* k_pos, float* dq, float* dk, float* dv, const BlockAttentionParams& p,
-            cudaStream_t stream) {
+            const int64_t* q_first, const int64_t* q_last, const int64_t* k_pos, float* dq, float* dk, float* dv,
+            const BlockAttentionParams& p, cudaStream_t stream) {
   constexpr size_t dq_smem = 2 * kTile * kernels::PaddedTile<D, 32>::kStride * sizeof(float);
   constexpr size_t dkdv_smem = 2 * kTile * kernels::PaddedTile<D, 16>::kStride * sizeof(float);
   int device = 0, max_shared = 0;
@@ -181,8 +199,8 @@ void launch(const void* q, const void* k, const void* v, const void* dout, const
   // BEGIN YOUR CODE task 2: launch both kernels
   // TODO(lesson 05, task 2): (c) launch dq_kernel and dkdv_kernel on `stream`, each launch checked.
   // README, "Task 2 — the two kernels and their launch (`block_backward.cu`)", (c).
-  (void)tq, (void)tk, (void)tv, (void)tdo, (void)lse, (void)delta, (void)q_pos, (void)k_pos, (void)dq, (void)dk,
-  (void)dv, (void)p, (void)stream;
+  (void)tq, (void)tk, (void)tv, (void)tdo, (void)lse, (void)delta, (void)q_first, (void)q_last, (void)k_pos,
+  (void)dq, (void)dk, (void)dv, (void)p, (void)stream;
   throw NotImplemented("lesson 05, task 2: launch the backward kernels");
   // END YOUR CODE
 }
@@ -190,9 +208,9 @@ void launch(const void* q, const void* k, const void* v, const void* dout, const
 }  // namespace
 
 void launch_block_attention_backward(const void* q, const void* k, const void* v, const void* dout, const float* lse,
-                                     const float* delta, const int64_t* q_pos, const int64_t* k_pos, float* dq,
-                                     float* dk, float* dv, const BlockAttentionParams& p, DType dtype,
-                                     cudaStream_t stream) {
+                                     const float* delta, const int64_t* q_first, const int64_t* q_last,
+                                     const int64_t* k_pos, float* dq, float* dk, float* dv,
+                                     const BlockAttentionParams& p, DType dtype, cudaStream_t stream) {
   CP_CHECK(block_attention_supports_head_dim(p.head_dim), "block backward: unsupported head dim ", p.head_dim);
   CP_CHECK((p.seq_q + kRows - 1) / kRows <= 65535 && (p.seq_k + kRows - 1) / kRows <= 65535,
            "block backward: sequence too long for one launch (Sq = ", p.seq_q, ", Sk = ", p.seq_k, ")");
@@ -200,9 +218,9 @@ void launch_block_attention_backward(const void* q, const void* k, const void* v
   kernels::dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     switch (p.head_dim) {
-      case 32: launch<T, 32>(q, k, v, dout, lse, delta, q_pos, k_pos, dq, dk, dv, p, stream); break;
-      case 64: launch<T, 64>(q, k, v, dout, lse, delta, q_pos, k_pos, dq, dk, dv, p, stream); break;
-      case 128: launch<T, 128>(q, k, v, dout, lse, delta, q_pos, k_pos, dq, dk, dv, p, stream); break;
+      case 32: launch<T, 32>(q, k, v, dout, lse, delta, q_first, q_last, k_pos, dq, dk, dv, p, stream); break;
+      case 64: launch<T, 64>(q, k, v, dout, lse, delta, q_first, q_last, k_pos, dq, dk, dv, p, stream); break;
+      case 128: launch<T, 128>(q, k, v, dout, lse, delta, q_first, q_last, k_pos, dq, dk, dv, p, stream); break;
     }
   });
 }

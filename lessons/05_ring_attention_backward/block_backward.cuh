@@ -11,11 +11,12 @@
 namespace cp {
 
 /// q, dout [B, Hq, Sq, D] and k, v [B, Hkv, Sk, D] of `dtype`; lse, delta (= rowsum(dout ∘ out))
-/// [B, Hq, Sq] float32; positions int64; outputs dq [B, Hq, Sq, D] and dk, dv [B, Hkv, Sk, D]
-/// float32, overwritten. Two kernels: one owns query rows (dQ), one owns key rows (dK, dV).
+/// [B, Hq, Sq] float32; q_first, q_last [Sq] and k_pos [Sk] int64 (the visible keys, as for
+/// launch_block_attention_forward); outputs dq [B, Hq, Sq, D] and dk, dv [B, Hkv, Sk, D] float32,
+/// overwritten. Two kernels: one owns query rows (dQ), one owns key rows (dK, dV).
 void launch_block_attention_backward(const void* q, const void* k, const void* v, const void* dout,
-                                     const float* lse, const float* delta, const int64_t* q_pos,
-                                     const int64_t* k_pos, float* dq, float* dk, float* dv,
+                                     const float* lse, const float* delta, const int64_t* q_first,
+                                     const int64_t* q_last, const int64_t* k_pos, float* dq, float* dk, float* dv,
                                      const BlockAttentionParams& params, DType dtype, cudaStream_t stream);
 
 }  // namespace cp

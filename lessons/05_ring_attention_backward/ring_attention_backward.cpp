@@ -23,12 +23,15 @@ RingGrads ring_attention_backward(Comm& comm, const torch::Tensor& dout, const t
            " ([B, Hq, S/N] of q), got ", lse.defined() ? lse.sizes() : torch::IntArrayRef{});
   const int rank = comm.rank(), n = comm.size();
   const torch::Tensor q_pos = options.schedule.positions(rank, n, chunk, q.device());
+  const int steps = ring_steps(options.schedule, n, chunk, options.causal);  // N unless the schedule stops early
 
   RingGrads result;
+  result.stats.steps_not_run = n - steps;
   // BEGIN YOUR CODE task 3: the backward ring
-  // TODO(lesson 05, task 3): the backward ring: K/V rotate, dq stays, dk and dv travel with their chunk (N hops).
+  // TODO(lesson 05, task 3): the backward ring: K/V rotate, dq stays, dk and dv travel with their chunk (N hops;
+  // with fewer `steps`, the last hop goes straight to the chunk's owner).
   // README, "Task 3 — the ring backward (`ring_attention_backward.cpp`)" and "The ring backward".
-  (void)dout, (void)out, (void)options, (void)q_pos, (void)n;
+  (void)dout, (void)out, (void)options, (void)q_pos, (void)n, (void)steps;
   throw NotImplemented("lesson 05, task 3: ring_attention_backward");
   // END YOUR CODE
   return result;

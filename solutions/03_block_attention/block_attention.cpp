@@ -69,17 +69,17 @@ struct RowState {
   std::vector<float> o;
 };
 
-/// Task 2: `rows` query rows (q: [rows][dp] float32, positions q_pos) against one key tile of n
-/// keys (kt: [dp][kBc], the tile transposed; v: [kBc][dp]; positions k_pos). masked: some pair may
-/// be hidden (a causal tile not entirely in the past of every row), else every pair of the first n
-/// keys is visible. Updates m, l and O of every row in `state`.
-void attend_tile(const float* q, int64_t rows, const float* kt, const float* v, int64_t n, const int64_t* q_pos,
-                 const int64_t* k_pos, bool masked, float scale, int64_t dp, RowState& state) {
+/// Task 2: `rows` query rows (q: [rows][dp] float32; row i sees the key positions first[i] ..
+/// last[i]) against one key tile of n keys (kt: [dp][kBc], the tile transposed; v: [kBc][dp];
+/// positions k_pos). masked: some pair may be hidden (a key of the tile outside some row's range),
+/// else every pair of the first n keys is visible. Updates m, l and O of every row in `state`.
+void attend_tile(const float* q, int64_t rows, const float* kt, const float* v, int64_t n, const int64_t* first,
+                 const int64_t* last, const int64_t* k_pos, bool masked, float scale, int64_t dp, RowState& state) {
   // BEGIN SOLUTION task 2: one query tile against one key tile
   // STUB: // TODO(lesson 03, task 2): the scores of each row against the tile's keys, then its (m, l, O) update.
   // STUB: // README, "Task 2 — the CPU forward (`block_attention.cpp`)" and "The CPU path".
-  // STUB: (void)q, (void)rows, (void)kt, (void)v, (void)n, (void)q_pos, (void)k_pos, (void)masked, (void)scale,
-  // STUB: (void)dp, (void)state;
+  // STUB: (void)q, (void)rows, (void)kt, (void)v, (void)n, (void)first, (void)last, (void)k_pos, (void)masked,
+  // STUB: (void)scale, (void)dp, (void)state;
   // STUB: throw NotImplemented("lesson 03, task 2: attend_tile (the CPU tile loop)");
   for (int64_t i = 0; i < rows; ++i) {
     // 1. The row's kBc scores: kKeyVecs accumulators that stay in registers over the head dim.
@@ -102,7 +102,7 @@ void attend_tile(const float* q, int64_t rows, const float* kt, const float* v, 
     if (masked || n < kBc) {
       tile_max = f32x4{} - INFINITY;
       for (int64_t jj = 0; jj < kBc; ++jj)
-        if (jj >= n || (masked && k_pos[jj] > q_pos[i])) s[jj] = -INFINITY;
+        if (jj >= n || (masked && (k_pos[jj] < first[i] || k_pos[jj] > last[i]))) s[jj] = -INFINITY;
       for (int64_t c = 0; c < kKeyVecs; ++c) tile_max = max_keep_nan(load4(s + c * kLanes), tile_max);
     }
     const float m_tile = max_lane(tile_max);
@@ -160,8 +160,7 @@ void finish_rows(const RowState& state, int64_t rows, int64_t d_model, int64_t d
 }
 
 AttnResult forward_cpu(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                       const torch::Tensor& q_pos, const torch::Tensor& k_pos, bool causal, float scale,
-                       const AttentionShapes& s) {
+                       const torch::Tensor& k_pos, const VisibleKeys& keys, float scale, const AttentionShapes& s) {
   AttnResult result{torch::empty_like(q), torch::empty({s.batch, s.heads_q, s.seq_q}, q.options().dtype(torch::kFloat))};
   const int64_t group = s.heads_q / s.heads_kv;
   KeyTiles kv;
@@ -173,7 +172,8 @@ AttnResult forward_cpu(const torch::Tensor& q, const torch::Tensor& k, const tor
     const scalar_t* pv = v.data_ptr<scalar_t>();
     scalar_t* pout = result.out.data_ptr<scalar_t>();
     float* plse = result.lse.data_ptr<float>();
-    const int64_t* qp = q_pos.data_ptr<int64_t>();
+    const int64_t* first = keys.masked ? keys.first.data_ptr<int64_t>() : nullptr;
+    const int64_t* last = keys.masked ? keys.last.data_ptr<int64_t>() : nullptr;
     const int64_t* kp = k_pos.data_ptr<int64_t>();
     for (int64_t b = 0; b < s.batch; ++b) {
       for (int64_t h = 0; h < s.heads_q; ++h) {
@@ -186,21 +186,24 @@ AttnResult forward_cpu(const torch::Tensor& q, const torch::Tensor& k, const tor
         for (int64_t i0 = 0; i0 < s.seq_q; i0 += kBr) {
           const int64_t rows = std::min(kBr, s.seq_q - i0);
           const scalar_t* q_rows = pq + (bh * s.seq_q + i0) * s.head_dim;
-          int64_t q_min = std::numeric_limits<int64_t>::max(), q_max = std::numeric_limits<int64_t>::min();
           for (int64_t i = 0; i < rows; ++i) {
             for (int64_t d = 0; d < s.head_dim; ++d)
               q_tile[i * kv.dp + d] = static_cast<float>(q_rows[i * s.head_dim + d]);
-            q_min = std::min(q_min, qp[i0 + i]);
-            q_max = std::max(q_max, qp[i0 + i]);
             state.m[i] = -INFINITY;
             state.l[i] = 0.0f;
           }
           std::fill(state.o.begin(), state.o.end(), 0.0f);
+          const kernels::RowRanges ranges = kernels::row_ranges(first, last, i0, rows);
           for (int64_t t = 0; t < kv.tiles; ++t) {
-            if (causal && kv.min_pos[t] > q_max) continue;  // every key of the tile after every row: skip it
-            const bool masked = causal && kv.max_pos[t] > q_min;  // else every key is before every row
+            if (ranges.misses(kv.min_pos[t], kv.max_pos[t])) {  // no row sees any key of the tile
+              ++result.tiles_skipped;
+              continue;
+            }
+            ++result.tiles_computed;
+            const bool masked = !ranges.sees_all(kv.min_pos[t], kv.max_pos[t]);
             attend_tile(q_tile.data(), rows, kv.kt.data() + t * kv.dp * kBc, kv.v.data() + t * kBc * kv.dp,
-                        std::min(kBc, s.seq_k - t * kBc), qp + i0, kp + t * kBc, masked, scale, kv.dp, state);
+                        std::min(kBc, s.seq_k - t * kBc), first ? first + i0 : nullptr, last ? last + i0 : nullptr,
+                        kp + t * kBc, masked, scale, kv.dp, state);
           }
           finish_rows(state, rows, s.head_dim, kv.dp, pout + (bh * s.seq_q + i0) * s.head_dim,
                       plse + bh * s.seq_q + i0);
@@ -212,20 +215,20 @@ AttnResult forward_cpu(const torch::Tensor& q, const torch::Tensor& k, const tor
 }
 
 AttnResult forward_cuda(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                        const torch::Tensor& q_pos, const torch::Tensor& k_pos, bool causal, float scale,
-                        const AttentionShapes& s) {
+                        const torch::Tensor& k_pos, const VisibleKeys& keys, float scale, const AttentionShapes& s) {
 #if CP_WITH_CUDA
   CP_CHECK(block_attention_supports_head_dim(s.head_dim), "q: head dim ", s.head_dim,
            " is not supported by the CUDA kernel (32, 64 or 128)");
   AttnResult result{torch::empty_like(q), torch::empty({s.batch, s.heads_q, s.seq_q}, q.options().dtype(torch::kFloat))};
-  const BlockAttentionParams params{s.batch, s.heads_q, s.heads_kv, s.seq_q, s.seq_k, s.head_dim, scale, causal};
+  const BlockAttentionParams params{s.batch, s.heads_q, s.heads_kv, s.seq_q, s.seq_k, s.head_dim, scale, keys.masked};
   const CudaDeviceScope cuda(q.device());  // q's GPU and its current stream
   launch_block_attention_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), result.out.data_ptr(),
-                                 result.lse.data_ptr<float>(), q_pos.data_ptr<int64_t>(), k_pos.data_ptr<int64_t>(),
+                                 result.lse.data_ptr<float>(), keys.masked ? keys.first.data_ptr<int64_t>() : nullptr,
+                                 keys.masked ? keys.last.data_ptr<int64_t>() : nullptr, k_pos.data_ptr<int64_t>(),
                                  params, kernel_dtype(q, "q"), cuda.stream());
   return result;
 #else
-  (void)k, (void)v, (void)q_pos, (void)k_pos, (void)causal, (void)scale, (void)s;
+  (void)k, (void)v, (void)k_pos, (void)keys, (void)scale, (void)s;
   CP_FAIL("q is a CUDA tensor (", q.device(), ") but this build has no CUDA (nvcc was not found)");
 #endif
 }
@@ -259,6 +262,52 @@ AttentionShapes check_attention_inputs(const torch::Tensor& q, const torch::Tens
   return s;
 }
 
+namespace {
+/// mask.documents, checked: int64 [n_docs + 1 >= 2] from 0, non-decreasing; on `device`.
+torch::Tensor checked_documents(const torch::Tensor& documents, torch::Device device) {
+  CP_CHECK(documents.dim() == 1 && documents.size(0) >= 2 && documents.scalar_type() == torch::kLong,
+           "mask.documents: expected cu_seqlens, an int64 tensor [n_docs + 1] with at least one document, got ",
+           documents.dtype(), " ", documents.sizes());
+  const torch::Tensor cu = documents.cpu().contiguous();
+  const int64_t* c = cu.data_ptr<int64_t>();
+  CP_CHECK(c[0] == 0, "mask.documents: must start at 0 (the first document's first position), got ", c[0]);
+  for (int64_t d = 0; d + 1 < cu.size(0); ++d)
+    CP_CHECK(c[d] <= c[d + 1], "mask.documents: must be non-decreasing (document d holds the positions [c_d, c_{d+1})), ",
+             "but c_", d, " = ", c[d], " > c_", d + 1, " = ", c[d + 1]);
+  return cu.to(device);
+}
+}  // namespace
+
+VisibleKeys visible_keys(const AttentionMask& mask, const torch::Tensor& q_pos) {
+  constexpr int64_t kMaxWindow = int64_t{1} << 62;  // q_pos − (W − 1) cannot overflow for positions >= −2^62
+  CP_CHECK(mask.window >= 0 && mask.window <= kMaxWindow, "mask.window: must be at least 1 (0: no window), got ",
+           mask.window);
+  CP_CHECK(mask.window == 0 || mask.causal, "mask.window: a sliding window (", mask.window, ") needs causal = true: ",
+           "a query sees its own key and the W − 1 before it");
+  VisibleKeys keys;
+  if (!mask.causal && !mask.documents.defined()) return keys;  // every pair visible
+  keys.masked = true;
+  keys.last = mask.causal ? q_pos.clone() : torch::full_like(q_pos, std::numeric_limits<int64_t>::max());
+  keys.first = mask.window > 0 ? q_pos - (mask.window - 1) : torch::full_like(q_pos, std::numeric_limits<int64_t>::min());
+  if (mask.documents.defined()) {
+    const torch::Tensor cu = checked_documents(mask.documents, q_pos.device());
+    CP_CHECK(q_pos.numel() == 0 || q_pos.min().item<int64_t>() >= 0,
+             "mask.q_positions: a negative position belongs to no document of mask.documents (which start at 0)");
+    const int64_t docs = cu.size(0) - 1;
+    // The query's document d: c_d <= pos < c_{d+1} (empty documents are passed over); d = docs: padding.
+    const torch::Tensor d = torch::searchsorted(cu, q_pos, /*out_int32=*/false, /*right=*/true) - 1;
+    const torch::Tensor padding = d >= docs;
+    const torch::Tensor in_doc = d.clamp_max(docs - 1);
+    keys.first = torch::where(padding, torch::full_like(q_pos, std::numeric_limits<int64_t>::max()),
+                              torch::maximum(keys.first, cu.index_select(0, in_doc)));
+    keys.last = torch::where(padding, torch::full_like(q_pos, std::numeric_limits<int64_t>::min()),
+                             torch::minimum(keys.last, cu.index_select(0, in_doc + 1) - 1));
+  }
+  keys.first = keys.first.contiguous();
+  keys.last = keys.last.contiguous();
+  return keys;
+}
+
 torch::Tensor mask_positions(const torch::Tensor& given, int64_t n, torch::Device device, const char* arg) {
   if (!given.defined()) return torch::arange(n, torch::TensorOptions().dtype(torch::kLong).device(device));
   CP_CHECK(given.dim() == 1 && given.size(0) == n && given.scalar_type() == torch::kLong, arg,
@@ -274,8 +323,9 @@ AttnResult attention_block_forward(const torch::Tensor& q_in, const torch::Tenso
   const torch::Tensor q_pos = mask_positions(mask.q_positions, s.seq_q, q.device(), "mask.q_positions");
   const torch::Tensor k_pos = mask_positions(mask.k_positions, s.seq_k, q.device(), "mask.k_positions");
   const float softmax_scale = static_cast<float>(scale.value_or(1.0 / std::sqrt(static_cast<double>(s.head_dim))));
-  if (q.is_cuda()) return forward_cuda(q, k, v, q_pos, k_pos, mask.causal, softmax_scale, s);
-  return forward_cpu(q, k, v, q_pos, k_pos, mask.causal, softmax_scale, s);
+  const VisibleKeys keys = visible_keys(mask, q_pos);
+  if (q.is_cuda()) return forward_cuda(q, k, v, k_pos, keys, softmax_scale, s);
+  return forward_cpu(q, k, v, k_pos, keys, softmax_scale, s);
 }
 
 void merge_attention(torch::Tensor& out_acc, torch::Tensor& lse_acc, const torch::Tensor& out_blk,

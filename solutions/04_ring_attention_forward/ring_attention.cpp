@@ -11,8 +11,19 @@
 namespace cp {
 
 AttentionMask plan_mask(const BlockPlan& plan, const torch::Tensor& q_positions, const torch::Tensor& k_positions) {
-  return {plan.causal_mask, q_positions.narrow(0, plan.q_begin, plan.q_len),
-          k_positions.narrow(0, plan.k_begin, plan.k_len)};
+  AttentionMask mask{plan.causal_mask, q_positions.narrow(0, plan.q_begin, plan.q_len),
+                     k_positions.narrow(0, plan.k_begin, plan.k_len)};
+  mask.window = plan.window;
+  mask.documents = plan.documents;
+  return mask;
+}
+
+int ring_steps(const RingSchedule& schedule, int world, int64_t chunk, bool causal) {
+  if (!schedule.steps) return world;
+  const int steps = schedule.steps(world, chunk, causal);
+  CP_CHECK(steps >= 1 && steps <= world, "options.schedule.steps: must give 1 … N = ", world, " ring steps, gave ",
+           steps);
+  return steps;
 }
 
 RingSchedule contiguous_schedule() {
@@ -67,12 +78,15 @@ RingResult ring_attention_forward(Comm& comm, const torch::Tensor& q, const torc
   const int64_t chunk = check_ring_inputs(comm, q, k, v, options);
   const int rank = comm.rank(), n = comm.size();
   const torch::Tensor q_pos = options.schedule.positions(rank, n, chunk, q.device());
+  const int steps = ring_steps(options.schedule, n, chunk, options.causal);  // N unless the schedule stops early
 
   RingResult result;
+  result.stats.steps_not_run = n - steps;
   // BEGIN SOLUTION task 1: the ring loop
-  // STUB: // TODO(lesson 04, task 1): the ring loop: N steps of exchange, block and merge, with the stats and trace spans.
+  // STUB: // TODO(lesson 04, task 1): the ring loop: `steps` steps (N, unless the schedule stops early) of exchange,
+  // STUB: // block and merge, with the stats and trace spans.
   // STUB: // README, "Task 1 — the ring loop (`ring_attention.cpp`)" and "The ring, step by step".
-  // STUB: (void)options, (void)q_pos, (void)rank, (void)n;
+  // STUB: (void)options, (void)q_pos, (void)rank, (void)n, (void)steps;
   // STUB: throw NotImplemented("lesson 04, task 1: the ring loop");
   torch::Tensor out = torch::zeros(q.sizes(), q.options().dtype(torch::kFloat));
   torch::Tensor lse = torch::full({q.size(0), q.size(1), chunk}, -INFINITY, q.options().dtype(torch::kFloat));
@@ -82,9 +96,9 @@ RingResult ring_attention_forward(Comm& comm, const torch::Tensor& q, const torc
   torch::Tensor k_buf[2] = {torch::empty_like(k_cur), torch::empty_like(k_cur)};
   torch::Tensor v_buf[2] = {torch::empty_like(v_cur), torch::empty_like(v_cur)};
   const int64_t chunk_bytes = 2 * k_cur.numel() * k_cur.element_size();
-  for (int t = 0; t < n; ++t) {
+  for (int t = 0; t < steps; ++t) {
     const int source = (rank - t + n) % n;  // whose chunk this rank holds at step t
-    const bool exchange = t < n - 1;        // the last chunk goes nowhere
+    const bool exchange = t < steps - 1;    // the last chunk goes nowhere
     auto start_exchange = [&] {
       result.stats.bytes_sent += chunk_bytes;
       return options.exchange(comm, {k_cur, v_cur}, {k_buf[t % 2], v_buf[t % 2]});

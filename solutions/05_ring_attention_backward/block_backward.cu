@@ -26,15 +26,16 @@ using kernels::group_sum;
 template <typename T, int D>
 __global__ void __launch_bounds__(kRows * (D / 32))
     dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ dout,
-              const float* __restrict__ lse, const float* __restrict__ delta, const int64_t* __restrict__ q_pos,
-              const int64_t* __restrict__ k_pos, float* __restrict__ dq, BlockAttentionParams p) {
+              const float* __restrict__ lse, const float* __restrict__ delta, const int64_t* __restrict__ q_first,
+              const int64_t* __restrict__ q_last, const int64_t* __restrict__ k_pos, float* __restrict__ dq,
+              BlockAttentionParams p) {
   constexpr int kSlice = 32;
   using L = kernels::PaddedTile<D, kSlice>;
   extern __shared__ float smem[];
   float* k_tile = smem;                   // [kTile][kStride]
   float* v_tile = smem + kTile * L::kStride;
   __shared__ int64_t kpos_tile[kTile];
-  __shared__ int64_t block_max_q_pos;
+  __shared__ int64_t block_first, block_last;  // the smallest first and the largest last of the block's rows
 
   const int64_t bh = blockIdx.x, b = bh / p.heads_q, h = bh % p.heads_q;
   const int64_t bh_kv = b * p.heads_kv + h / (p.heads_q / p.heads_kv);
@@ -52,21 +53,29 @@ __global__ void __launch_bounds__(kRows * (D / 32))
   }
   const float lse_i = active ? lse[bh * p.seq_q + i] : -INFINITY;
   const float delta_i = active ? delta[bh * p.seq_q + i] : 0.0f;
-  const int64_t my_pos = active ? q_pos[i] : LLONG_MIN;
-  if (threadIdx.x == 0) {
-    int64_t max_pos = LLONG_MIN;
-    for (int r = 0; r < kRows && row0 + r < p.seq_q; ++r) max_pos = q_pos[row0 + r] > max_pos ? q_pos[row0 + r] : max_pos;
-    block_max_q_pos = max_pos;
+  const int64_t my_first = active && p.masked ? q_first[i] : LLONG_MIN;  // this row sees my_first .. my_last
+  const int64_t my_last = active && p.masked ? q_last[i] : LLONG_MAX;
+  if (threadIdx.x == 0 && p.masked) {
+    int64_t first = LLONG_MAX, last = LLONG_MIN;
+    for (int r = 0; r < kRows && row0 + r < p.seq_q; ++r) {
+      first = q_first[row0 + r] < first ? q_first[row0 + r] : first;
+      last = q_last[row0 + r] > last ? q_last[row0 + r] : last;
+    }
+    block_first = first;
+    block_last = last;
   }
 
   for (int64_t j0 = 0; j0 < p.seq_k; j0 += kTile) {
     const int n = p.seq_k - j0 < kTile ? static_cast<int>(p.seq_k - j0) : kTile;
     if (threadIdx.x < kTile) kpos_tile[threadIdx.x] = threadIdx.x < n ? k_pos[j0 + threadIdx.x] : LLONG_MAX;
-    __syncthreads();  // kpos_tile and block_max_q_pos are visible
-    if (p.causal) {
-      int64_t min_k_pos = LLONG_MAX;
-      for (int jj = 0; jj < n; ++jj) min_k_pos = kpos_tile[jj] < min_k_pos ? kpos_tile[jj] : min_k_pos;
-      if (min_k_pos > block_max_q_pos) {  // every key of the tile is after every query of the block
+    __syncthreads();  // kpos_tile, block_first and block_last are visible
+    if (p.masked) {
+      int64_t min_k_pos = LLONG_MAX, max_k_pos = LLONG_MIN;
+      for (int jj = 0; jj < n; ++jj) {
+        min_k_pos = kpos_tile[jj] < min_k_pos ? kpos_tile[jj] : min_k_pos;
+        max_k_pos = kpos_tile[jj] > max_k_pos ? kpos_tile[jj] : max_k_pos;
+      }
+      if (min_k_pos > block_last || max_k_pos < block_first) {  // no query of the block sees a key of the tile
         __syncthreads();                  // nobody rewrites kpos_tile while others still read it
         continue;
       }
@@ -78,7 +87,7 @@ __global__ void __launch_bounds__(kRows * (D / 32))
     // BEGIN SOLUTION task 2: dQ of one key tile
     // STUB: // TODO(lesson 05, task 2): (a) for each key of the tile: s and dP (group_sum), then ds and dq_acc += ds·k.
     // STUB: // README, "Task 2 — the two kernels and their launch (`block_backward.cu`)", (a).
-    // STUB: (void)lse_i, (void)delta_i, (void)my_pos, (void)q_reg, (void)do_reg;
+    // STUB: (void)lse_i, (void)delta_i, (void)my_first, (void)my_last, (void)q_reg, (void)do_reg;
     for (int jj = 0; jj < kTile; ++jj) {
       const float* k_row = k_tile + L::at(jj, g * kSlice);
       const float* v_row = v_tile + L::at(jj, g * kSlice);
@@ -91,7 +100,7 @@ __global__ void __launch_bounds__(kRows * (D / 32))
       s = group_sum<L::kGroup>(s);
       dp = group_sum<L::kGroup>(dp);
       // `!= -INFINITY`, not `> -INFINITY`: a NaN row is not an empty one.
-      const bool visible = jj < n && lse_i != -INFINITY && (!p.causal || kpos_tile[jj] <= my_pos);
+      const bool visible = jj < n && lse_i != -INFINITY && my_first <= kpos_tile[jj] && kpos_tile[jj] <= my_last;
       if (visible) {  // a hidden pair adds nothing, not 0 · NaN (its k may be NaN)
         const float ds = expf(s - lse_i) * (dp - delta_i);
 #pragma unroll
@@ -109,16 +118,17 @@ template <typename T, int D>
 __global__ void __launch_bounds__(kRows * (D / 16))
     dkdv_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                 const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
-                const int64_t* __restrict__ q_pos, const int64_t* __restrict__ k_pos, float* __restrict__ dk,
-                float* __restrict__ dv, BlockAttentionParams p) {
+                const int64_t* __restrict__ q_first, const int64_t* __restrict__ q_last,
+                const int64_t* __restrict__ k_pos, float* __restrict__ dk, float* __restrict__ dv,
+                BlockAttentionParams p) {
   constexpr int kSlice = 16;  // four accumulators per row (k, v, dk, dv): smaller slices, fewer registers
   using L = kernels::PaddedTile<D, kSlice>;
   extern __shared__ float smem[];
   float* q_tile = smem;                    // [kTile][kStride]
   float* do_tile = smem + kTile * L::kStride;
   __shared__ float lse_tile[kTile], delta_tile[kTile];
-  __shared__ int64_t qpos_tile[kTile];
-  __shared__ int64_t block_min_k_pos;
+  __shared__ int64_t first_tile[kTile], last_tile[kTile];  // the keys each query of the tile sees
+  __shared__ int64_t block_min_k_pos, block_max_k_pos;
 
   const int64_t bkv = blockIdx.x, b = bkv / p.heads_kv, h_kv = bkv % p.heads_kv;
   const int64_t group = p.heads_q / p.heads_kv;
@@ -136,9 +146,13 @@ __global__ void __launch_bounds__(kRows * (D / 16))
   }
   const int64_t my_pos = active ? k_pos[j] : LLONG_MAX;
   if (threadIdx.x == 0) {
-    int64_t min_pos = LLONG_MAX;
-    for (int r = 0; r < kRows && row0 + r < p.seq_k; ++r) min_pos = k_pos[row0 + r] < min_pos ? k_pos[row0 + r] : min_pos;
+    int64_t min_pos = LLONG_MAX, max_pos = LLONG_MIN;
+    for (int r = 0; r < kRows && row0 + r < p.seq_k; ++r) {
+      min_pos = k_pos[row0 + r] < min_pos ? k_pos[row0 + r] : min_pos;
+      max_pos = k_pos[row0 + r] > max_pos ? k_pos[row0 + r] : max_pos;
+    }
     block_min_k_pos = min_pos;
+    block_max_k_pos = max_pos;
   }
 
   for (int64_t hq = b * p.heads_q + h_kv * group; hq < b * p.heads_q + (h_kv + 1) * group; ++hq) {
@@ -146,15 +160,19 @@ __global__ void __launch_bounds__(kRows * (D / 16))
       const int n = p.seq_q - i0 < kTile ? static_cast<int>(p.seq_q - i0) : kTile;
       if (threadIdx.x < kTile) {
         const bool in = threadIdx.x < n;
-        qpos_tile[threadIdx.x] = in ? q_pos[i0 + threadIdx.x] : LLONG_MIN;
+        first_tile[threadIdx.x] = !in ? LLONG_MAX : p.masked ? q_first[i0 + threadIdx.x] : LLONG_MIN;
+        last_tile[threadIdx.x] = !in ? LLONG_MIN : p.masked ? q_last[i0 + threadIdx.x] : LLONG_MAX;
         lse_tile[threadIdx.x] = in ? lse[hq * p.seq_q + i0 + threadIdx.x] : -INFINITY;
         delta_tile[threadIdx.x] = in ? delta[hq * p.seq_q + i0 + threadIdx.x] : 0.0f;
       }
-      __syncthreads();  // the query tile's positions, lse and delta are visible
-      if (p.causal) {
-        int64_t max_q_pos = LLONG_MIN;
-        for (int ii = 0; ii < n; ++ii) max_q_pos = qpos_tile[ii] > max_q_pos ? qpos_tile[ii] : max_q_pos;
-        if (max_q_pos < block_min_k_pos) {  // every query of the tile is before every key of the block
+      __syncthreads();  // the query tile's ranges, lse and delta are visible
+      if (p.masked) {
+        int64_t first = LLONG_MAX, last = LLONG_MIN;
+        for (int ii = 0; ii < n; ++ii) {
+          first = first_tile[ii] < first ? first_tile[ii] : first;
+          last = last_tile[ii] > last ? last_tile[ii] : last;
+        }
+        if (last < block_min_k_pos || first > block_max_k_pos) {  // no query of the tile sees a key of the block
           __syncthreads();                  // nobody rewrites the tile arrays while others still read them
           continue;
         }
@@ -179,7 +197,7 @@ __global__ void __launch_bounds__(kRows * (D / 16))
         s = group_sum<L::kGroup>(s);
         dp = group_sum<L::kGroup>(dp);
         // `!= -INFINITY`, not `> -INFINITY`: a NaN row is not an empty one.
-        const bool visible = ii < n && lse_tile[ii] != -INFINITY && (!p.causal || my_pos <= qpos_tile[ii]);
+        const bool visible = ii < n && lse_tile[ii] != -INFINITY && first_tile[ii] <= my_pos && my_pos <= last_tile[ii];
         if (visible) {  // a hidden pair adds nothing, not 0 · NaN (its q or dO may be NaN)
           const float prob = expf(s - lse_tile[ii]);
           const float ds = prob * (dp - delta_tile[ii]);
@@ -204,8 +222,8 @@ __global__ void __launch_bounds__(kRows * (D / 16))
 
 template <typename T, int D>
 void launch(const void* q, const void* k, const void* v, const void* dout, const float* lse, const float* delta,
-            const int64_t* q_pos, const int64_t* k_pos, float* dq, float* dk, float* dv, const BlockAttentionParams& p,
-            cudaStream_t stream) {
+            const int64_t* q_first, const int64_t* q_last, const int64_t* k_pos, float* dq, float* dk, float* dv,
+            const BlockAttentionParams& p, cudaStream_t stream) {
   constexpr size_t dq_smem = 2 * kTile * kernels::PaddedTile<D, 32>::kStride * sizeof(float);
   constexpr size_t dkdv_smem = 2 * kTile * kernels::PaddedTile<D, 16>::kStride * sizeof(float);
   int device = 0, max_shared = 0;
@@ -221,17 +239,18 @@ void launch(const void* q, const void* k, const void* v, const void* dout, const
   // BEGIN SOLUTION task 2: launch both kernels
   // STUB: // TODO(lesson 05, task 2): (c) launch dq_kernel and dkdv_kernel on `stream`, each launch checked.
   // STUB: // README, "Task 2 — the two kernels and their launch (`block_backward.cu`)", (c).
-  // STUB: (void)tq, (void)tk, (void)tv, (void)tdo, (void)lse, (void)delta, (void)q_pos, (void)k_pos, (void)dq, (void)dk,
-  // STUB: (void)dv, (void)p, (void)stream;
+  // STUB: (void)tq, (void)tk, (void)tv, (void)tdo, (void)lse, (void)delta, (void)q_first, (void)q_last, (void)k_pos,
+  // STUB: (void)dq, (void)dk, (void)dv, (void)p, (void)stream;
   // STUB: throw NotImplemented("lesson 05, task 2: launch the backward kernels");
   if (p.seq_q > 0) {
     const dim3 grid(static_cast<unsigned>(p.batch * p.heads_q), static_cast<unsigned>((p.seq_q + kRows - 1) / kRows));
-    dq_kernel<T, D><<<grid, kRows * (D / 32), dq_smem, stream>>>(tq, tk, tv, tdo, lse, delta, q_pos, k_pos, dq, p);
+    dq_kernel<T, D><<<grid, kRows * (D / 32), dq_smem, stream>>>(tq, tk, tv, tdo, lse, delta, q_first, q_last, k_pos, dq, p);
     CUDA_CHECK_LAUNCH();
   }
   if (p.seq_k > 0) {
     const dim3 grid(static_cast<unsigned>(p.batch * p.heads_kv), static_cast<unsigned>((p.seq_k + kRows - 1) / kRows));
-    dkdv_kernel<T, D><<<grid, kRows * (D / 16), dkdv_smem, stream>>>(tq, tk, tv, tdo, lse, delta, q_pos, k_pos, dk, dv, p);
+    dkdv_kernel<T, D><<<grid, kRows * (D / 16), dkdv_smem, stream>>>(tq, tk, tv, tdo, lse, delta, q_first, q_last, k_pos, dk, dv,
+                                                                     p);
     CUDA_CHECK_LAUNCH();
   }
   // END SOLUTION
@@ -240,9 +259,9 @@ void launch(const void* q, const void* k, const void* v, const void* dout, const
 }  // namespace
 
 void launch_block_attention_backward(const void* q, const void* k, const void* v, const void* dout, const float* lse,
-                                     const float* delta, const int64_t* q_pos, const int64_t* k_pos, float* dq,
-                                     float* dk, float* dv, const BlockAttentionParams& p, DType dtype,
-                                     cudaStream_t stream) {
+                                     const float* delta, const int64_t* q_first, const int64_t* q_last,
+                                     const int64_t* k_pos, float* dq, float* dk, float* dv,
+                                     const BlockAttentionParams& p, DType dtype, cudaStream_t stream) {
   CP_CHECK(block_attention_supports_head_dim(p.head_dim), "block backward: unsupported head dim ", p.head_dim);
   CP_CHECK((p.seq_q + kRows - 1) / kRows <= 65535 && (p.seq_k + kRows - 1) / kRows <= 65535,
            "block backward: sequence too long for one launch (Sq = ", p.seq_q, ", Sk = ", p.seq_k, ")");
@@ -250,9 +269,9 @@ void launch_block_attention_backward(const void* q, const void* k, const void* v
   kernels::dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     switch (p.head_dim) {
-      case 32: launch<T, 32>(q, k, v, dout, lse, delta, q_pos, k_pos, dq, dk, dv, p, stream); break;
-      case 64: launch<T, 64>(q, k, v, dout, lse, delta, q_pos, k_pos, dq, dk, dv, p, stream); break;
-      case 128: launch<T, 128>(q, k, v, dout, lse, delta, q_pos, k_pos, dq, dk, dv, p, stream); break;
+      case 32: launch<T, 32>(q, k, v, dout, lse, delta, q_first, q_last, k_pos, dq, dk, dv, p, stream); break;
+      case 64: launch<T, 64>(q, k, v, dout, lse, delta, q_first, q_last, k_pos, dq, dk, dv, p, stream); break;
+      case 128: launch<T, 128>(q, k, v, dout, lse, delta, q_first, q_last, k_pos, dq, dk, dv, p, stream); break;
     }
   });
 }

@@ -21,12 +21,15 @@ RingGrads ring_attention_backward(Comm& comm, const torch::Tensor& dout, const t
            " ([B, Hq, S/N] of q), got ", lse.defined() ? lse.sizes() : torch::IntArrayRef{});
   const int rank = comm.rank(), n = comm.size();
   const torch::Tensor q_pos = options.schedule.positions(rank, n, chunk, q.device());
+  const int steps = ring_steps(options.schedule, n, chunk, options.causal);  // N unless the schedule stops early
 
   RingGrads result;
+  result.stats.steps_not_run = n - steps;
   // BEGIN SOLUTION task 3: the backward ring
-  // STUB: // TODO(lesson 05, task 3): the backward ring: K/V rotate, dq stays, dk and dv travel with their chunk (N hops).
+  // STUB: // TODO(lesson 05, task 3): the backward ring: K/V rotate, dq stays, dk and dv travel with their chunk (N hops;
+  // STUB: // with fewer `steps`, the last hop goes straight to the chunk's owner).
   // STUB: // README, "Task 3 — the ring backward (`ring_attention_backward.cpp`)" and "The ring backward".
-  // STUB: (void)dout, (void)out, (void)options, (void)q_pos, (void)n;
+  // STUB: (void)dout, (void)out, (void)options, (void)q_pos, (void)n, (void)steps;
   // STUB: throw NotImplemented("lesson 05, task 3: ring_attention_backward");
   const auto f32 = q.options().dtype(torch::kFloat);
   torch::Tensor dq = torch::zeros(q.sizes(), f32);
@@ -42,9 +45,9 @@ RingGrads ring_attention_backward(Comm& comm, const torch::Tensor& dout, const t
     TraceSpan span(options.trace, rank, "comm", "start K/V step " + std::to_string(t));
     return options.exchange(comm, {k_cur, v_cur}, {k_buf[t % 2], v_buf[t % 2]});
   };
-  for (int t = 0; t < n; ++t) {
+  for (int t = 0; t < steps; ++t) {
     const int source = (rank - t + n) % n;
-    const bool more_kv = t < n - 1;
+    const bool more_kv = t < steps - 1;
     Request kv;
     if (more_kv && options.overlap) kv = start_kv_exchange(t);
     const BlockPlan plan = options.schedule.plan(rank, source, n, chunk, options.causal);
@@ -69,11 +72,18 @@ RingGrads ring_attention_backward(Comm& comm, const torch::Tensor& dout, const t
     }
     if (more_kv && !options.overlap) kv = start_kv_exchange(t);
     // The accumulators can only leave once this step has added to them. On one rank they are
-    // home already: no hop, nothing sent.
+    // home already: no hop, nothing sent. After the last step they go straight home: to the
+    // source's rank, while ours come from rank + steps − 1 (with steps = N: the ring's next hop).
     Request grads;
     if (n > 1) {
       result.stats.bytes_sent += 2 * dk_cur.numel() * dk_cur.element_size();
-      grads = options.exchange(comm, {dk_cur, dv_cur}, {dk_next, dv_next});
+      if (more_kv || steps == n) {
+        grads = options.exchange(comm, {dk_cur, dv_cur}, {dk_next, dv_next});
+      } else {
+        const int holder = (rank + steps - 1) % n;  // holds our accumulators after the last step
+        grads = comm.start({P2POp::send(dk_cur, source), P2POp::send(dv_cur, source), P2POp::recv(dk_next, holder),
+                            P2POp::recv(dv_next, holder)});
+      }
     }
     {
       TraceSpan wait(options.trace, rank, "comm", "wait step " + std::to_string(t));
@@ -87,7 +97,7 @@ RingGrads ring_attention_backward(Comm& comm, const torch::Tensor& dout, const t
       std::swap(dv_cur, dv_next);
     }
   }
-  // After N hops the accumulators in hand are those of this rank's own chunk.
+  // After the last hop the accumulators in hand are those of this rank's own chunk.
   result.dq = dq.to(q.scalar_type());
   result.dk = dk_cur.to(k.scalar_type());
   result.dv = dv_cur.to(v.scalar_type());

@@ -8,6 +8,8 @@
 #include <mutex>
 #include <sstream>
 
+#include "common/error.h"
+
 namespace cp::testing {
 
 namespace {
@@ -230,14 +232,15 @@ bool any_non_finite(std::initializer_list<torch::Tensor> ts) {
 /// q, k and v are expanded to one copy per (query, key) pair, zeroed where the key is hidden, so
 /// that a hidden key's values meet nothing but zeros, in the forward and in the backward.
 std::pair<torch::Tensor, torch::Tensor> attention64(const torch::Tensor& q, const torch::Tensor& k,
-                                                    const torch::Tensor& v, bool causal, const torch::Tensor& q_pos,
-                                                    const torch::Tensor& k_pos, double scale, bool pairwise) {
+                                                    const torch::Tensor& v, const OracleMask& mask, double scale,
+                                                    bool pairwise) {
   auto f64 = [](const torch::Tensor& t) { return t.to(torch::kCPU, torch::kDouble); };
   const int64_t group = q.size(1) / k.size(1);
   const torch::Tensor q64 = f64(q), k64 = f64(k).repeat_interleave(group, 1), v64 = f64(v).repeat_interleave(group, 1);
   const int64_t sq = q.size(2), sk = k.size(2);
-  const torch::Tensor hidden = causal ? k_pos.cpu().view({1, -1}) > q_pos.cpu().view({-1, 1})  // [Sq, Sk]
-                                      : torch::zeros({sq, sk}, torch::kBool);
+  const torch::Tensor hidden = oracle_visible(mask).logical_not();  // [Sq, Sk]
+  CP_CHECK(hidden.size(0) == sq && hidden.size(1) == sk, "oracle_attention: positions ", hidden.sizes(),
+           " for Sq = ", sq, ", Sk = ", sk);
   torch::Tensor scores, v_pairs;  // scores [B, Hq, Sq, Sk]; v_pairs [B, Hq, Sq, Sk, D] (pairwise only)
   if (pairwise) {
     const torch::Tensor visible = hidden.logical_not().view({1, 1, sq, sk, 1});
@@ -248,7 +251,7 @@ std::pair<torch::Tensor, torch::Tensor> attention64(const torch::Tensor& q, cons
   } else {
     scores = torch::matmul(q64, k64.transpose(-1, -2)) * scale;
   }
-  if (causal) scores = scores.masked_fill(hidden, -INFINITY);
+  scores = scores.masked_fill(hidden, -INFINITY);
   const torch::Tensor lse = torch::logsumexp(scores, -1).detach();
   // Rows without a visible key: softmax of zeros instead of -inf (finite, so autograd stays
   // finite too), then replaced by zeros.
@@ -260,20 +263,44 @@ std::pair<torch::Tensor, torch::Tensor> attention64(const torch::Tensor& q, cons
 
 }  // namespace
 
+torch::Tensor oracle_visible(const OracleMask& mask) {
+  const torch::Tensor qp = mask.q_pos.cpu().view({-1, 1}), kp = mask.k_pos.cpu().view({1, -1});
+  torch::Tensor visible = torch::ones({qp.size(0), kp.size(1)}, torch::kBool);
+  if (mask.causal) visible &= kp <= qp;
+  if (mask.window > 0) visible &= (qp - kp) < mask.window;
+  if (mask.documents.defined()) {
+    const torch::Tensor bounds = mask.documents.cpu().narrow(0, 1, mask.documents.size(0) - 1);  // c_1 … c_n
+    auto document = [&](const torch::Tensor& pos) { return (pos.reshape({-1, 1}) >= bounds).sum(-1); };
+    const torch::Tensor dq = document(qp).view({-1, 1}), dk = document(kp).view({1, -1});
+    visible &= (dq == dk) & (dq < bounds.size(0));  // same document, and not padding
+  }
+  return visible;
+}
+
+std::pair<torch::Tensor, torch::Tensor> oracle_attention(const torch::Tensor& q, const torch::Tensor& k,
+                                                         const torch::Tensor& v, const OracleMask& mask, double scale) {
+  return attention64(q, k, v, mask, scale, any_non_finite({q, k, v}));
+}
+
 std::pair<torch::Tensor, torch::Tensor> oracle_attention(const torch::Tensor& q, const torch::Tensor& k,
                                                          const torch::Tensor& v, bool causal,
                                                          const torch::Tensor& q_pos, const torch::Tensor& k_pos,
                                                          double scale) {
-  return attention64(q, k, v, causal, q_pos, k_pos, scale, any_non_finite({q, k, v}));
+  return oracle_attention(q, k, v, OracleMask{causal, q_pos, k_pos}, scale);
 }
 
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> oracle_attention_grads(
     const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& dout, bool causal,
     const torch::Tensor& q_pos, const torch::Tensor& k_pos, double scale) {
+  return oracle_attention_grads(q, k, v, dout, OracleMask{causal, q_pos, k_pos}, scale);
+}
+
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> oracle_attention_grads(
+    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& dout,
+    const OracleMask& mask, double scale) {
   auto leaf = [](const torch::Tensor& t) { return t.detach().to(torch::kCPU, torch::kDouble).requires_grad_(true); };
   const torch::Tensor q64 = leaf(q), k64 = leaf(k), v64 = leaf(v);
-  const torch::Tensor out =
-      attention64(q64, k64, v64, causal, q_pos, k_pos, scale, any_non_finite({q, k, v, dout})).first;
+  const torch::Tensor out = attention64(q64, k64, v64, mask, scale, any_non_finite({q, k, v, dout})).first;
   const auto grads = torch::autograd::grad({(out * dout.to(torch::kCPU, torch::kDouble)).sum()}, {q64, k64, v64});
   return {grads[0], grads[1], grads[2]};
 }
@@ -294,6 +321,25 @@ std::vector<PositionLayout> causal_position_layouts(int64_t s) {
       {"zig-zag chunk pairs", zigzag_q, torch::arange(c, c + s)},
       {"random sorted", sorted_random(s), sorted_random(s)},
       {"random unsorted", unsorted_random(s), unsorted_random(s)},
+  };
+}
+
+std::vector<std::pair<std::string, OracleMask>> window_and_document_masks(int64_t s) {
+  const torch::Tensor documents = torch::tensor(std::vector<int64_t>{0, 1, 8, 40, s - 5});
+  const torch::Tensor pos = torch::arange(s), later = torch::arange(s) + s / 2;
+  const int64_t c = s / 2;
+  const torch::Tensor zigzag_q = torch::cat({torch::arange(0, c), torch::arange(3 * c, 3 * c + s - c)});
+  return {
+      {"window 1", {true, pos, pos, 1, {}}},
+      {"window 5", {true, pos, pos, 5, {}}},
+      {"window 40", {true, pos, pos, 40, {}}},
+      {"window 10 S (all of causal)", {true, pos, pos, 10 * s, {}}},
+      {"window 40, keys half a sequence earlier", {true, later, pos, 40, {}}},
+      {"window 30, zig-zag queries", {true, zigzag_q, torch::arange(c, c + s), 30, {}}},
+      {"documents 1, 7, 32, rest, padding 5", {true, pos, pos, 0, documents}},
+      {"documents, not causal", {false, pos, pos, 0, documents}},
+      {"documents and window 9", {true, pos, pos, 9, documents}},
+      {"documents, keys half a sequence earlier", {true, later, pos, 0, documents}},
   };
 }
 

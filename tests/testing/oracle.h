@@ -45,6 +45,21 @@ torch::Tensor oracle_softmax(const torch::Tensor& x);
 /// log(sum(exp(x))) over the last dim in float64 (-inf for a row of -inf only).
 torch::Tensor oracle_logsumexp(const torch::Tensor& x);
 
+/// The mask of an oracle call, as in lesson 03's AttentionMask but with the positions given
+/// (int64 [Sq] and [Sk]): causal, a sliding window of `window` keys (0: none), and packed
+/// documents (`documents`: cu_seqlens int64 [n + 1]; undefined: one document).
+struct OracleMask {
+  bool causal = false;
+  torch::Tensor q_pos, k_pos;
+  int64_t window = 0;
+  torch::Tensor documents;
+};
+
+/// The visible (query, key) pairs of `mask`, [Sq, Sk] bool on the CPU, straight from the
+/// definitions (a token's document is the number of boundaries c_1 … c_n at or before its
+/// position; n: padding, which sees nothing and is never seen), not from the kernels' ranges.
+torch::Tensor oracle_visible(const OracleMask& mask);
+
 /// Attention in float64 (out [B, Hq, Sq, D], lse [B, Hq, Sq]) from matmul and softmax: key j is
 /// visible to query i iff !causal or k_pos[j] <= q_pos[i] (positions: int64 [Sq] and [Sk]).
 /// GQA: query head h uses kv head h / (Hq / Hkv). A row without visible keys gives out 0 and
@@ -57,11 +72,18 @@ std::pair<torch::Tensor, torch::Tensor> oracle_attention(const torch::Tensor& q,
                                                          const torch::Tensor& q_pos, const torch::Tensor& k_pos,
                                                          double scale);
 
+/// oracle_attention under any OracleMask (window and documents too).
+std::pair<torch::Tensor, torch::Tensor> oracle_attention(const torch::Tensor& q, const torch::Tensor& k,
+                                                         const torch::Tensor& v, const OracleMask& mask, double scale);
+
 /// Gradients (dq, dk, dv) in float64 of sum(out · dout) for oracle_attention's out, by autograd
 /// (the per-pair path when q, k, v or dout holds a non-finite value).
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> oracle_attention_grads(
     const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& dout, bool causal,
     const torch::Tensor& q_pos, const torch::Tensor& k_pos, double scale);
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> oracle_attention_grads(
+    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& dout,
+    const OracleMask& mask, double scale);
 
 /// Global token positions of `s` queries and `s` keys for causal masks: each layout a ring
 /// attention step can produce (keys before, after or interleaved with the queries, zig-zag
@@ -72,6 +94,12 @@ struct PositionLayout {
   torch::Tensor q_pos, k_pos;
 };
 std::vector<PositionLayout> causal_position_layouts(int64_t s);
+
+/// Sliding windows and packed documents (lesson 12's masks) over s >= 75 queries and keys, with
+/// positions contiguous, shifted (the keys of an earlier ring step) and zig-zag: windows of one
+/// key, fewer keys than a tile, several tiles and ten times the sequence; documents of 1, 7 and 32
+/// tokens and the rest, then 5 tokens of padding, causal or not, and with a window.
+std::vector<std::pair<std::string, OracleMask>> window_and_document_masks(int64_t s);
 
 /// Random float32 values ~ N(0, scale²) of the given shape with a fixed seed, plus a few
 /// outliers of ±outlier (one in every ~64 elements) to stress the max-shift; outlier = 0

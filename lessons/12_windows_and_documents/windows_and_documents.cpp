@@ -1,0 +1,277 @@
+// GENERATED from solutions/12_windows_and_documents/windows_and_documents.cpp by tools/skeleton.
+// Learners: write between BEGIN YOUR CODE and END YOUR CODE. Maintainers: edit the solution, then run make skeletons.
+// Lesson 12 — sliding windows and packed documents on the ring: which blocks a mask leaves
+// visible, how many ring steps it needs, the work per rank, and padded layouts of any length.
+#include "windows_and_documents.h"
+
+#include <algorithm>
+#include <numeric>
+
+#include "common/error.h"
+
+namespace cp {
+
+namespace {
+
+/// mask.documents on the host (or {0, tokens}: one document), checked.
+std::vector<int64_t> document_bounds(const SequenceMask& mask, int64_t tokens) {
+  if (!mask.documents.defined()) return {0, tokens};
+  const torch::Tensor cu = mask.documents.cpu().contiguous();
+  return {cu.data_ptr<int64_t>(), cu.data_ptr<int64_t>() + cu.numel()};
+}
+
+/// The AttentionMask of `mask` for the queries and keys at the given positions.
+AttentionMask attention_mask(const SequenceMask& mask, const torch::Tensor& q_positions,
+                             const torch::Tensor& k_positions) {
+  AttentionMask m{mask.causal, q_positions, k_positions};
+  m.window = mask.window;
+  m.documents = mask.documents;
+  return m;
+}
+
+/// `base`'s plan for one step, refined by the mask: skipped, computed whole, or with the mask.
+BlockPlan refined_plan(const RingSchedule& base, const SequenceMask& mask, int rank, int source, int world,
+                       int64_t chunk, bool causal) {
+  CP_CHECK(causal == mask.causal, "options.causal (", causal, ") must be the mask's causal (", mask.causal,
+           "): the ring and the mask must agree");
+  BlockPlan plan = base.plan(rank, source, world, chunk, causal);
+  if (!plan.compute) return plan;  // base skips only blocks the causal mask hides: so does this one
+  const torch::Tensor q = base.positions(rank, world, chunk, torch::kCPU).narrow(0, plan.q_begin, plan.q_len);
+  const torch::Tensor k = base.positions(source, world, chunk, torch::kCPU).narrow(0, plan.k_begin, plan.k_len);
+  switch (block_visibility(q, k, mask)) {
+    case Visibility::None: return BlockPlan{};
+    case Visibility::All: plan.causal_mask = false; return plan;
+    case Visibility::Some:
+      plan.causal_mask = mask.causal;
+      plan.window = mask.window;
+      plan.documents = mask.documents;
+      return plan;
+  }
+  CP_FAIL("unknown visibility");
+}
+
+}  // namespace
+
+void check_sequence_mask(const SequenceMask& mask, int64_t tokens) {
+  CP_CHECK(mask.window >= 0, "mask.window: must be at least 1 (0: no window), got ", mask.window);
+  CP_CHECK(mask.window == 0 || mask.causal, "mask.window: a sliding window (", mask.window, ") needs causal = true");
+  if (!mask.documents.defined()) return;
+  const torch::Tensor& cu = mask.documents;
+  CP_CHECK(cu.dim() == 1 && cu.size(0) >= 2 && cu.scalar_type() == torch::kLong,
+           "mask.documents: expected cu_seqlens, an int64 tensor [n_docs + 1] with at least one document, got ",
+           cu.dtype(), " ", cu.sizes());
+  const std::vector<int64_t> c = document_bounds(mask, tokens);
+  CP_CHECK(c.front() == 0, "mask.documents: must start at 0, got ", c.front());
+  for (size_t d = 0; d + 1 < c.size(); ++d)
+    CP_CHECK(c[d] <= c[d + 1], "mask.documents: must be non-decreasing, but c_", d, " = ", c[d], " > c_", d + 1, " = ",
+             c[d + 1]);
+  CP_CHECK(c.back() == tokens, "mask.documents: must end at the number of tokens T = ", tokens, ", ends at ", c.back());
+}
+
+std::string to_string(Visibility visibility) {
+  switch (visibility) {
+    case Visibility::None: return "none";
+    case Visibility::Some: return "some";
+    case Visibility::All: return "all";
+  }
+  return "?";
+}
+
+Visibility block_visibility(const torch::Tensor& q_positions, const torch::Tensor& k_positions,
+                            const SequenceMask& mask) {
+  CP_CHECK(q_positions.defined() && q_positions.dim() == 1 && q_positions.scalar_type() == torch::kLong &&
+               k_positions.defined() && k_positions.dim() == 1 && k_positions.scalar_type() == torch::kLong,
+           "block_visibility: positions must be int64 1-D tensors");
+  if (q_positions.numel() == 0 || k_positions.numel() == 0) return Visibility::None;
+  const torch::Tensor q = q_positions.cpu(), k = k_positions.cpu();
+  // BEGIN YOUR CODE task 1: none, some or all
+  // TODO(lesson 12, task 1): each query sees the keys positioned first .. last (lesson 03's visible_keys);
+  // count how many of the block's keys each query sees. README, "Task 1 — `block_visibility`".
+  (void)q, (void)k, (void)mask;
+  throw NotImplemented("lesson 12, task 1: block_visibility");
+  // END YOUR CODE
+}
+
+RingSchedule masked_schedule(const RingSchedule& base, const SequenceMask& mask) {
+  CP_CHECK(base.positions && base.plan, "masked_schedule: the base schedule needs positions and plan");
+  CP_CHECK(!base.steps, "masked_schedule: the base schedule must run every step (its steps unset)");
+  RingSchedule schedule;
+  schedule.positions = base.positions;
+  schedule.plan = [base, mask](int rank, int source, int world, int64_t chunk, bool causal) {
+    return refined_plan(base, mask, rank, source, world, chunk, causal);
+  };
+  schedule.steps = [base, mask](int world, int64_t chunk, bool causal) {
+    return masked_ring_steps(base, mask, world, chunk, causal);
+  };
+  return schedule;
+}
+
+int masked_ring_steps(const RingSchedule& base, const SequenceMask& mask, int world, int64_t chunk, bool causal) {
+  CP_CHECK(world >= 1, "masked_ring_steps: world must be at least 1, got ", world);
+  // BEGIN YOUR CODE task 2: the steps the ring needs
+  // TODO(lesson 12, task 2): 1 + the latest step t at which any rank r computes the block of rank r − t.
+  // README, "Task 2 — `masked_ring_steps`".
+  (void)base, (void)mask, (void)chunk, (void)causal;
+  throw NotImplemented("lesson 12, task 2: masked_ring_steps");
+  // END YOUR CODE
+}
+
+int window_ring_steps(TokenLayout layout, int64_t seq, int world, int64_t window) {
+  CP_CHECK(window >= 1, "window: must be at least 1, got ", window);
+  layout_positions(layout, seq, world, 0);  // checks world and that S divides into the layout's parts
+  CP_CHECK(seq >= world, "seq: S = ", seq, " gives no token to some of the N = ", world, " ranks");
+  // BEGIN YOUR CODE task 3: the prediction
+  // TODO(lesson 12, task 3): the steps a window of W keys needs in each layout, from S, N and W alone.
+  // README, "Task 3 — `window_ring_steps`".
+  throw NotImplemented("lesson 12, task 3: window_ring_steps");
+  // END YOUR CODE
+}
+
+int64_t masked_work(const torch::Tensor& positions, const SequenceMask& mask, int64_t tokens) {
+  check_sequence_mask(mask, tokens);
+  CP_CHECK(positions.defined() && positions.dim() == 1 && positions.scalar_type() == torch::kLong,
+           "positions: expected an int64 1-D tensor");
+  const std::vector<int64_t> cu = document_bounds(mask, tokens);
+  const torch::Tensor pos = positions.cpu().contiguous();
+  const int64_t* p = pos.data_ptr<int64_t>();
+  int64_t work = 0;
+  for (int64_t i = 0; i < pos.numel(); ++i) {
+    if (p[i] < 0 || p[i] >= tokens) continue;  // padding: no work
+    // The query's document [begin, end): the last boundary at or before it, and the next one.
+    const auto next = std::upper_bound(cu.begin(), cu.end(), p[i]);
+    const int64_t begin = *(next - 1), end = *next;
+    // BEGIN YOUR CODE task 4: the visible keys of one query
+    // TODO(lesson 12, task 4): add the number of keys the query at p[i] sees: its document [begin, end),
+    // causal or not, within the window. README, "Task 4 — `masked_work`".
+    (void)begin, (void)end;
+    throw NotImplemented("lesson 12, task 4: masked_work");
+    // END YOUR CODE
+  }
+  return work;
+}
+
+double imbalance(const std::vector<int64_t>& work) {
+  if (work.empty()) return 1.0;
+  const int64_t total = std::accumulate(work.begin(), work.end(), int64_t{0});
+  if (total == 0) return 1.0;
+  const double mean = static_cast<double>(total) / static_cast<double>(work.size());
+  return static_cast<double>(*std::max_element(work.begin(), work.end())) / mean;
+}
+
+PaddedLayout padded_layout(TokenLayout layout, int64_t tokens, int world) {
+  CP_CHECK(world >= 1, "world: must be at least 1, got ", world);
+  CP_CHECK(tokens >= 0, "tokens: must be at least 0, got ", tokens);
+  const int64_t parts = layout == TokenLayout::ZigZag ? 2 * world : world;
+  const int64_t padded = (tokens + parts - 1) / parts * parts;
+  PaddedLayout result{to_string(layout), tokens, padded / world, {}};
+  for (int r = 0; r < world; ++r) result.positions.push_back(layout_positions(layout, padded, world, r));
+  return result;
+}
+
+PaddedLayout document_zigzag_layout(const torch::Tensor& documents, int world) {
+  CP_CHECK(world >= 1, "world: must be at least 1, got ", world);
+  CP_CHECK(documents.defined(), "documents: cu_seqlens must be given");
+  SequenceMask mask;
+  mask.documents = documents;
+  const int64_t tokens = documents.numel() ? documents.cpu()[-1].item<int64_t>() : 0;
+  check_sequence_mask(mask, tokens);
+  const std::vector<int64_t> cu = document_bounds(mask, tokens);
+  std::vector<std::vector<int64_t>> rows(world);
+  int64_t next_padding = tokens;  // padding slots get T, T + 1, …
+  // BEGIN YOUR CODE task 5: zig-zag per document, padded
+  // TODO(lesson 12, task 5): each document padded to a multiple of 2N, cut into 2N chunks; rank r gets
+  // chunks r and 2N − 1 − r of every document; a padding slot gets the position next_padding++.
+  // README, "Task 5 — `document_zigzag_layout`".
+  (void)cu, (void)next_padding;
+  throw NotImplemented("lesson 12, task 5: document_zigzag_layout");
+  // END YOUR CODE
+  PaddedLayout result{"zig-zag per document", tokens, static_cast<int64_t>(rows[0].size()), {}};
+  for (int r = 0; r < world; ++r) {
+    CP_CHECK(static_cast<int64_t>(rows[r].size()) == result.rows, "document_zigzag_layout: rank ", r, " got ",
+             rows[r].size(), " rows, rank 0 got ", result.rows);
+    result.positions.push_back(torch::tensor(rows[r], torch::kLong));
+  }
+  return result;
+}
+
+double padding_overhead(const PaddedLayout& layout) {
+  if (layout.tokens == 0) return 0.0;
+  const int64_t rows = layout.rows * static_cast<int64_t>(layout.positions.size());
+  return static_cast<double>(rows - layout.tokens) / static_cast<double>(layout.tokens);
+}
+
+namespace {
+void check_layout_world(const PaddedLayout& layout, int world, const char* what) {
+  CP_CHECK(static_cast<int>(layout.positions.size()) == world, what, ": the layout is for ", layout.positions.size(),
+           " ranks, not ", world);
+}
+}  // namespace
+
+torch::Tensor shard_padded(const torch::Tensor& full, const PaddedLayout& layout, int rank) {
+  CP_CHECK(full.defined() && full.dim() == 4 && full.size(2) == layout.tokens, "full: expected [B, H, T = ",
+           layout.tokens, ", D], got ", full.defined() ? full.sizes() : torch::IntArrayRef{});
+  CP_CHECK(rank >= 0 && rank < static_cast<int>(layout.positions.size()), "rank: ", rank, " is not in the layout's ",
+           layout.positions.size(), " ranks");
+  const torch::Tensor pos = layout.positions[rank].to(full.device());
+  const torch::Tensor real_rows = (pos < layout.tokens).nonzero().view(-1);
+  torch::Tensor shard = torch::zeros({full.size(0), full.size(1), layout.rows, full.size(3)}, full.options());
+  shard.index_copy_(2, real_rows, full.index_select(2, pos.index_select(0, real_rows)));
+  return shard;
+}
+
+torch::Tensor unshard_padded(const std::vector<torch::Tensor>& shards, const PaddedLayout& layout) {
+  check_layout_world(layout, static_cast<int>(shards.size()), "unshard_padded");
+  CP_CHECK(shards[0].defined() && shards[0].dim() == 4 && shards[0].size(2) == layout.rows,
+           "unshard_padded: shards must be [B, H, rows = ", layout.rows, ", D]");
+  torch::Tensor full = torch::zeros({shards[0].size(0), shards[0].size(1), layout.tokens, shards[0].size(3)},
+                                    shards[0].options());
+  for (size_t r = 0; r < shards.size(); ++r) {
+    CP_CHECK(shards[r].sizes() == shards[0].sizes(), "unshard_padded: shard ", r, " has shape ", shards[r].sizes(),
+             ", shard 0 has ", shards[0].sizes());
+    const torch::Tensor pos = layout.positions[r].to(full.device());
+    const torch::Tensor real_rows = (pos < layout.tokens).nonzero().view(-1);
+    full.index_copy_(2, pos.index_select(0, real_rows), shards[r].index_select(2, real_rows));
+  }
+  return full;
+}
+
+RingSchedule layout_schedule(const PaddedLayout& layout) {
+  RingSchedule schedule;
+  schedule.positions = [layout](int rank, int world, int64_t chunk, torch::Device device) {
+    check_layout_world(layout, world, "layout_schedule");
+    CP_CHECK(chunk == layout.rows, "layout_schedule: every rank holds ", layout.rows, " rows of the layout, not ", chunk);
+    return layout.positions[rank].to(device);
+  };
+  schedule.plan = [](int, int, int, int64_t chunk, bool causal) { return BlockPlan{true, 0, chunk, 0, chunk, causal}; };
+  return schedule;
+}
+
+namespace {
+/// The options of a masked ring call: the layout's schedule refined by the mask, where padding
+/// (positions >= T) lies outside every document, so that it never attends and is never attended.
+RingOptions masked_options(Comm& comm, const PaddedLayout& layout, const SequenceMask& mask, RingOptions options) {
+  check_sequence_mask(mask, layout.tokens);
+  check_layout_world(layout, comm.size(), "layout");
+  SequenceMask with_padding = mask;
+  if (!with_padding.documents.defined()) with_padding.documents = torch::tensor(std::vector<int64_t>{0, layout.tokens});
+  options.causal = mask.causal;
+  options.schedule = masked_schedule(layout_schedule(layout), with_padding);
+  return options;
+}
+}  // namespace
+
+RingResult masked_ring_attention_forward(Comm& comm, const torch::Tensor& q, const torch::Tensor& k,
+                                         const torch::Tensor& v, const PaddedLayout& layout,
+                                         const SequenceMask& mask, RingOptions options) {
+  return ring_attention_forward(comm, q, k, v, masked_options(comm, layout, mask, std::move(options)));
+}
+
+RingGrads masked_ring_attention_backward(Comm& comm, const torch::Tensor& dout, const torch::Tensor& q,
+                                         const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& out,
+                                         const torch::Tensor& lse, const PaddedLayout& layout,
+                                         const SequenceMask& mask, RingOptions options) {
+  return ring_attention_backward(comm, dout, q, k, v, out, lse,
+                                 masked_options(comm, layout, mask, std::move(options)));
+}
+
+}  // namespace cp
