@@ -34,6 +34,7 @@
 #include "common/world.h"
 #include "context_parallel_attention.h"
 #include "hybrid.h"
+#include "windows_and_documents.h"
 
 namespace {
 
@@ -54,7 +55,7 @@ struct Reference {
   torch::Tensor out, lse, dq, dk, dv;  // whole-sequence results
 };
 
-Reference make_reference(const Problem& p) {
+Reference make_reference(const Problem& p, const cp::AttentionMask& mask = cp::causal_mask(true)) {
   // A generator of our own, seeded alike in every process: all ranks see the same inputs.
   torch::Generator gen = at::detail::createCPUGenerator(2026);
   auto input = [&](int64_t heads) {
@@ -65,8 +66,8 @@ Reference make_reference(const Problem& p) {
   r.k = input(p.heads_kv);
   r.v = input(p.heads_kv);
   r.dout = input(p.heads_q);
-  const cp::AttnResult f = cp::attention_block_forward(r.q, r.k, r.v, cp::causal_mask(true));
-  const cp::AttnGrads g = cp::attention_block_backward(r.dout, r.q, r.k, r.v, f.out, f.lse, cp::causal_mask(true));
+  const cp::AttnResult f = cp::attention_block_forward(r.q, r.k, r.v, mask);
+  const cp::AttnGrads g = cp::attention_block_backward(r.dout, r.q, r.k, r.v, f.out, f.lse, mask);
   r.out = f.out;
   r.lse = f.lse;
   r.dq = g.dq;
@@ -190,9 +191,11 @@ double imbalance(const std::vector<double>& per_rank) {
 }
 
 /// figures[s][rank][field] → the table, and the charts in `out_dir`. Returns false when a row
-/// has a FAIL.
+/// has a FAIL. `mask`: "" for the causal runs (with the legend and the charts), else what the
+/// mask adds to causal (lesson 12's runs: the table only).
 bool report(const Problem& p, int world, const std::string& backend, const std::vector<DemoStrategy>& strategies,
-            const std::vector<std::vector<std::vector<double>>>& figures, const std::string& out_dir) {
+            const std::vector<std::vector<std::vector<double>>>& figures, const std::string& out_dir,
+            const std::string& mask = "") {
   auto column = [&](size_t s, Field f) {
     std::vector<double> c;
     for (const std::vector<double>& rank : figures[s]) c.push_back(rank[f]);
@@ -209,17 +212,18 @@ bool report(const Problem& p, int world, const std::string& backend, const std::
     all_ok = all_ok && row_ok;
     return row_ok ? "ok" : "FAIL";
   };
-  std::printf("\nCausal attention, B = %lld, S = %lld, Hq = %lld, Hkv = %lld, D = %lld, %s, on %d ranks "
+  std::printf("\nCausal attention%s%s, B = %lld, S = %lld, Hq = %lld, Hkv = %lld, D = %lld, %s, on %d ranks "
               "(%s backend, %s)\n",
-              (long long)p.batch, (long long)p.seq, (long long)p.heads_q, (long long)p.heads_kv, (long long)p.dim,
+              mask.empty() ? "" : " with ", mask.c_str(), (long long)p.batch, (long long)p.seq, (long long)p.heads_q, (long long)p.heads_kv, (long long)p.dim,
               c10::toString(p.dtype), world, backend.c_str(), p.device.str().c_str());
-  std::printf("# %-19s %10s %-4s %10s %-4s %9s %9s %9s %9s %9s %9s\n", "strategy", "err_fwd", "", "err_bwd", "",
+  std::printf("# %-21s %10s %-4s %10s %-4s %9s %9s %9s %9s %9s %9s\n", "strategy", "err_fwd", "", "err_bwd", "",
               "imbalance", "MiB_sent", "peak_fwd", "peak_bwd", "fwd_ms", "bwd_ms");
   for (size_t s = 0; s < strategies.size(); ++s)
-    std::printf("  %-19s %10.2e %-4s %10.2e %-4s %9.3f %9.2f %9.2f %9.2f %9.1f %9.1f\n",
+    std::printf("  %-21s %10.2e %-4s %10.2e %-4s %9.3f %9.2f %9.2f %9.2f %9.1f %9.1f\n",
                 strategies[s].strategy.name.c_str(), max_of(s, kErrOut), mark(s, kOkOut), max_of(s, kErrGrad),
                 mark(s, kOkGrad), imbalance(column(s, kPairs)), max_of(s, kMiBSent),
                 max_of(s, kPeakFwd), max_of(s, kPeakBwd), max_of(s, kMsFwd), max_of(s, kMsBwd));
+  if (!mask.empty()) return all_ok;  // the columns are those of the causal table
   const Tolerance tol = tolerance_for(p.dtype);
   std::printf(
       "\nerr_fwd: max |error| of out and lse; err_bwd: of the gradients dq, dk, dv — against lessons 03/05\n"
@@ -247,6 +251,32 @@ bool report(const Problem& p, int world, const std::string& backend, const std::
   cp::write_bar_chart(out_dir + "/peak_memory_per_rank.svg", "Backward peak memory per rank, " + shape, ranks, memory,
                       "MiB");
   return all_ok;
+}
+
+/// Lesson 12's masks on the demo's sequence, each with its single-device reference: a sliding
+/// window of half a chunk (the contiguous ring stops after 2 steps, the zig-zag ring cannot), and
+/// three documents of uneven lengths, the same in every sequence of the batch.
+struct MaskedRun {
+  std::string name;
+  cp::SequenceMask mask;
+  Reference ref;
+};
+
+std::vector<MaskedRun> masked_runs(const Problem& p, int world) {
+  std::vector<MaskedRun> runs(2);
+  runs[0].mask.window = std::max<int64_t>(1, p.seq / world / 2);
+  runs[0].name = "a sliding window of W = " + std::to_string(runs[0].mask.window) + " keys (S/(2N), lesson 12)";
+  const int64_t first = p.seq / 2 + p.seq / 8, second = p.seq / 4;
+  runs[1].mask.documents = torch::tensor(std::vector<int64_t>{0, first, first + second, p.seq});
+  runs[1].name = "3 packed documents of " + std::to_string(first) + ", " + std::to_string(second) + " and " +
+                 std::to_string(p.seq - first - second) + " tokens (lesson 12)";
+  for (MaskedRun& run : runs) {
+    cp::AttentionMask mask = cp::causal_mask(true);
+    mask.window = run.mask.window;
+    mask.documents = run.mask.documents;
+    run.ref = make_reference(p, mask);
+  }
+  return runs;
 }
 
 /// Bytes a rank sends in one forward + backward, from lesson 11's formula: a mesh of 1 × N is the
@@ -472,6 +502,7 @@ int main(int argc, char** argv) {
     // rank but those of GPU 0). The rank threads of a local world share them (all on cuda:0).
     std::once_flag made;
     Reference ref;
+    std::vector<MaskedRun> masked;
     double reference_s = 0;
     LayerProblem layer;
     StepResult one_rank;
@@ -486,6 +517,7 @@ int main(int argc, char** argv) {
         const auto start = std::chrono::steady_clock::now();
         ref = make_reference(p);
         reference_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        masked = masked_runs(p, comm.size());
         layer = make_layer_problem(p, layer_seq);
         // The layer's step on a world of one rank (plain attention over all of S), the yardstick
         // of the N-rank steps: its own world, once per process.
@@ -504,6 +536,18 @@ int main(int argc, char** argv) {
         all_ok = report(p, n, cp::to_string(comm.backend()), strategies, figures, out_dir);
         for (const std::string& reason : skipped) std::printf("Not run: %s\n", reason.c_str());
         report_volume(p, strategies, figures, out_dir);
+      }
+      // Lesson 12: the rings under a sliding window and under packed documents, against lessons
+      // 03/05 on one device under the same mask.
+      for (const MaskedRun& run : masked) {
+        std::vector<DemoStrategy> rings;
+        for (cp::TokenLayout layout : {cp::TokenLayout::Contiguous, cp::TokenLayout::ZigZag})
+          rings.push_back({cp::masked_ring_strategy(layout, run.mask), std::nullopt});
+        std::vector<std::vector<std::vector<double>>> masked_figures;
+        for (const DemoStrategy& s : rings)
+          masked_figures.push_back(gather_rows(comm, run_strategy(comm, p, run.ref, s.strategy, nullptr), p.device));
+        if (comm.rank() == 0)
+          all_ok = report(p, n, cp::to_string(comm.backend()), rings, masked_figures, out_dir, run.name) && all_ok;
       }
       std::vector<std::vector<std::vector<double>>> layer_figures;  // [strategy][rank][LayerField]
       const Tolerance tol = tolerance_for(p.dtype);  // as tests/09_context_parallel_layer_test.cpp checks the step

@@ -7,6 +7,7 @@
 
 #include "common/error.h"
 #include "common/world.h"
+#include "layer_reference.h"
 #include "testing/harness.h"
 #include "testing/oracle.h"
 #include "windows_and_documents.h"
@@ -230,6 +231,28 @@ CP_TEST(Lesson12, Task2_AWindowedRingSendsOnlyWhatItNeeds) {
       EXPECT_EQ(backward.steps_not_run, n - steps) << what;
       EXPECT_EQ(forward.bytes_sent, (steps - 1) * kv_bytes) << what << ": K/V of the steps run only";
       EXPECT_EQ(backward.bytes_sent, (steps - 1) * kv_bytes + (n > 1 ? steps * kv_bytes : 0)) << what;
+    }
+  });
+}
+
+CP_TEST(Lesson12, Task2_TheLayerTrainsUnderAWindowAsOnOneDevice) {
+  // Lesson 09's layer with masked_ring_strategy: one SGD step on N ranks (S = 6N tokens, chunks of
+  // 6) equals the same step on one device under the same mask, for a window inside a chunk, one
+  // spanning chunks, and two documents.
+  for_each_world([](Comm& comm) {
+    for (TokenLayout layout : {TokenLayout::Contiguous, TokenLayout::ZigZag}) {
+      for (int64_t window : {int64_t{4}, int64_t{13}}) {
+        testing::expect_training_step_matches_one_device(
+            comm, masked_ring_strategy(layout, window_mask(window)), 90, 64, 2, 1, [window](int64_t s) {
+              return testing::oracle_visible({true, torch::arange(s), torch::arange(s), window, {}});
+            });
+      }
+      const int64_t s = 6 * comm.size();
+      const SequenceMask documents = document_mask({s / 2 + 1, s / 2 - 1});
+      testing::expect_training_step_matches_one_device(
+          comm, masked_ring_strategy(layout, documents), 91, 64, 2, 1, [&](int64_t tokens) {
+            return testing::oracle_visible({true, torch::arange(tokens), torch::arange(tokens), 0, documents.documents});
+          });
     }
   });
 }

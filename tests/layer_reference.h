@@ -7,6 +7,7 @@
 #include <torch/types.h>
 
 #include <cmath>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -30,13 +31,14 @@ inline Weights make_weights(int64_t e, int64_t hq, int64_t hkv, uint64_t seed) {
 
 /// Forward, loss, backward and one SGD step of the layer on the whole sequence, in float64 with
 /// plain LibTorch ops and autograd. loss = Σ (y ∘ target) / (B·S): the mean over tokens.
+/// `visible` [S, S] bool: the (query, key) pairs that attend; undefined: causal.
 struct ReferenceStep {
   torch::Tensor y, loss;
   Weights updated, grads;
 };
 
 inline ReferenceStep reference_step(const torch::Tensor& x, const torch::Tensor& target, const Weights& w, int64_t hq,
-                             int64_t hkv, double lr) {
+                                    int64_t hkv, double lr, const torch::Tensor& visible = {}) {
   auto leaf = [](const torch::Tensor& t) { return t.to(torch::kDouble).requires_grad_(); };
   const torch::Tensor wq = leaf(w.wq), wk = leaf(w.wk), wv = leaf(w.wv), wo = leaf(w.wo);
   const torch::Tensor xd = x.to(torch::kDouble);
@@ -45,9 +47,9 @@ inline ReferenceStep reference_step(const torch::Tensor& x, const torch::Tensor&
   const torch::Tensor q = heads(xd.matmul(wq.t()), hq);
   const torch::Tensor k = heads(xd.matmul(wk.t()), hkv).repeat_interleave(hq / hkv, 1);
   const torch::Tensor v = heads(xd.matmul(wv.t()), hkv).repeat_interleave(hq / hkv, 1);
-  const torch::Tensor causal = torch::ones({s, s}, torch::kBool).tril();
+  const torch::Tensor mask = visible.defined() ? visible : torch::ones({s, s}, torch::kBool).tril();
   const torch::Tensor scores =
-      q.matmul(k.transpose(-1, -2)).div(std::sqrt(static_cast<double>(d))).masked_fill(causal.logical_not(), -INFINITY);
+      q.matmul(k.transpose(-1, -2)).div(std::sqrt(static_cast<double>(d))).masked_fill(mask.logical_not(), -INFINITY);
   const torch::Tensor o = scores.softmax(-1).matmul(v).transpose(1, 2).reshape({b, s, hq * d});
   const torch::Tensor y = o.matmul(wo.t());
   const torch::Tensor loss = (y * target.to(torch::kDouble)).sum() / (b * s);
@@ -67,16 +69,18 @@ inline void load_weights(ContextParallelAttention& layer, const Weights& w) {
 
 /// One SGD step of ContextParallelAttention with `strategy` on comm's ranks (each with its shard
 /// of the tokens, laid out as the strategy says) against reference_step on the whole sequence:
-/// the loss, every rank's y, the all-reduced weight gradients and the updated weights.
-inline void expect_training_step_matches_one_device(Comm& comm, const Strategy& strategy, uint64_t seed,
-                                                    int64_t e = 64, int64_t hq = 2, int64_t hkv = 1) {
+/// the loss, every rank's y, the all-reduced weight gradients and the updated weights. S = 6N
+/// tokens; `visible_of(S)`, if given, the [S, S] pairs that attend (else causal).
+inline void expect_training_step_matches_one_device(
+    Comm& comm, const Strategy& strategy, uint64_t seed, int64_t e = 64, int64_t hq = 2, int64_t hkv = 1,
+    const std::function<torch::Tensor(int64_t s)>& visible_of = nullptr) {
   const int n = comm.size();
   const int64_t s = 2 * n * 3;
   const double lr = 0.5;
   torch::Generator gen = at::detail::createCPUGenerator(seed);
   const torch::Tensor x = torch::randn({2, s, e}, gen), target = torch::randn({2, s, e}, gen);
   const Weights w = make_weights(e, hq, hkv, seed + 1);
-  const ReferenceStep ref = reference_step(x, target, w, hq, hkv, lr);
+  const ReferenceStep ref = reference_step(x, target, w, hq, hkv, lr, visible_of ? visible_of(s) : torch::Tensor{});
   const std::string what = to_string(strategy) + ", rank " + std::to_string(comm.rank()) + " of " + std::to_string(n);
   ContextParallelAttention layer(comm, ContextParallelAttentionOptions{e, hq, hkv, strategy});
   broadcast_parameters(comm, *layer);  // replicated weights, then the test's known values

@@ -61,6 +61,17 @@ struct Strategy {
       backward;
 };
 
+/// A ring forward and backward of the course on one layout's shards (lessons 04, 05, 07, 12).
+using RingForward = std::function<RingResult(Comm& comm, const torch::Tensor& q, const torch::Tensor& k,
+                                             const torch::Tensor& v, RingOptions options)>;
+using RingBackward = std::function<RingGrads(Comm& comm, const torch::Tensor& dout, const torch::Tensor& q,
+                                             const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& out,
+                                             const torch::Tensor& lse, RingOptions options)>;
+
+/// A causal ring strategy named `name` on `layout`'s shards from a ring forward and backward: the
+/// pairs of its blocks and its bytes in the stats, this rank's q, k, v, out, lse saved.
+Strategy ring_family_strategy(const std::string& name, TokenLayout layout, RingForward forward, RingBackward backward);
+
 Strategy ring_strategy();                   ///< lessons 04–05: contiguous shards, K/V around the ring
 Strategy zigzag_ring_strategy();            ///< lesson 07: zig-zag shards, balanced ring
 Strategy llama3_strategy(Llama3Mode mode);  ///< lesson 08: zig-zag shards, all-gathered K/V (two kernels or fused)

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "context_parallel_attention.h"
 #include "zigzag.h"
 
 namespace cp {
@@ -123,5 +124,10 @@ RingGrads masked_ring_attention_backward(Comm& comm, const torch::Tensor& dout, 
                                          const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& out,
                                          const torch::Tensor& lse, const PaddedLayout& layout,
                                          const SequenceMask& mask, RingOptions options = {});
+
+/// Lesson 09's strategy for the ring under `mask` (causal) on `layout`'s shards (contiguous or
+/// zig-zag; S divisible by 2N, as lesson 09's layer shards it), for every sequence of the batch:
+/// the layer of lesson 09, and the course demo, train and run with a window or documents.
+Strategy masked_ring_strategy(TokenLayout layout, const SequenceMask& mask);
 
 }  // namespace cp

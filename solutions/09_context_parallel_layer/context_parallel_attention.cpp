@@ -47,9 +47,9 @@ Llama3Options llama3_options(Trace* trace) {
   return options;
 }
 
-/// A ring strategy of lessons 04–07: `forward` and `backward` are the ring functions of a layout.
-template <typename Forward, typename Backward>
-Strategy ring_family(const std::string& name, TokenLayout layout, Forward forward, Backward backward) {
+}  // namespace
+
+Strategy ring_family_strategy(const std::string& name, TokenLayout layout, RingForward forward, RingBackward backward) {
   return {name, layout,
           [forward](Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, Trace* trace) {
             const RingResult r = forward(comm, q, k, v, ring_options(true, trace));
@@ -66,15 +66,13 @@ Strategy ring_family(const std::string& name, TokenLayout layout, Forward forwar
           }};
 }
 
-}  // namespace
-
 Strategy ring_strategy() {
-  return ring_family("ring", TokenLayout::Contiguous, ring_attention_forward, ring_attention_backward);
+  return ring_family_strategy("ring", TokenLayout::Contiguous, ring_attention_forward, ring_attention_backward);
 }
 
 Strategy zigzag_ring_strategy() {
-  return ring_family("zig-zag ring", TokenLayout::ZigZag, zigzag_ring_attention_forward,
-                     zigzag_ring_attention_backward);
+  return ring_family_strategy("zig-zag ring", TokenLayout::ZigZag, zigzag_ring_attention_forward,
+                              zigzag_ring_attention_backward);
 }
 
 Strategy llama3_strategy(Llama3Mode mode) {

@@ -318,4 +318,26 @@ RingGrads masked_ring_attention_backward(Comm& comm, const torch::Tensor& dout, 
                                  masked_options(comm, layout, mask, std::move(options)));
 }
 
+Strategy masked_ring_strategy(TokenLayout layout, const SequenceMask& mask) {
+  CP_CHECK(mask.causal, "mask.causal: the layer's strategies are causal");
+  CP_CHECK(layout != TokenLayout::Stripe, "layout: the stripe layout has no ring strategy (lesson 07)");
+  std::string name = layout == TokenLayout::ZigZag ? "zig-zag ring" : "ring";
+  if (mask.window > 0) name += " W=" + std::to_string(mask.window);
+  if (mask.documents.defined()) name += ", " + std::to_string(mask.documents.numel() - 1) + " docs";
+  auto padded = [layout](Comm& comm, const torch::Tensor& q) {  // the layout of this call's S = N · rows
+    return padded_layout(layout, q.size(2) * comm.size(), comm.size());
+  };
+  return ring_family_strategy(
+      name, layout,
+      [mask, padded](Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                     RingOptions options) {
+        return masked_ring_attention_forward(comm, q, k, v, padded(comm, q), mask, std::move(options));
+      },
+      [mask, padded](Comm& comm, const torch::Tensor& dout, const torch::Tensor& q, const torch::Tensor& k,
+                     const torch::Tensor& v, const torch::Tensor& out, const torch::Tensor& lse, RingOptions options) {
+        return masked_ring_attention_backward(comm, dout, q, k, v, out, lse, padded(comm, q), mask,
+                                              std::move(options));
+      });
+}
+
 }  // namespace cp
