@@ -7,6 +7,7 @@
 // those reads on different banks instead of one.
 #pragma once
 
+#include <climits>
 #include <cstdint>
 
 #include "kernels/dtype.cuh"
@@ -37,6 +38,18 @@ struct PaddedTile {
     }
   }
 };
+
+/// The smallest and the largest of the n positions `pos` (n = 0: LLONG_MAX and LLONG_MIN, a range
+/// that contains nothing): a tile's positions, or the visible key range of a block's rows, which
+/// decide whether the block skips the tile whole. Read by one thread or by all (the same answer).
+__device__ __forceinline__ void position_range(const int64_t* pos, int n, int64_t& lo, int64_t& hi) {
+  lo = LLONG_MAX;
+  hi = LLONG_MIN;
+  for (int i = 0; i < n; ++i) {
+    lo = pos[i] < lo ? pos[i] : lo;
+    hi = pos[i] > hi ? pos[i] : hi;
+  }
+}
 
 /// The sum of x over the kGroup adjacent threads of a row group, in every one of them: a
 /// butterfly of xor shuffles (kGroup a power of two, at most a warp). Every lane of the warp must

@@ -72,11 +72,10 @@ __global__ void __launch_bounds__(kBr * (D / kSlice))
   float m = -INFINITY, l = 0.0f;
 
   if (t == 0 && p.masked) {  // the keys any row of the block sees: tiles outside them are skipped whole
-    int64_t first = LLONG_MAX, last = LLONG_MIN;
-    for (int r = 0; r < kBr && row0 + r < p.seq_q; ++r) {
-      first = q_first[row0 + r] < first ? q_first[row0 + r] : first;
-      last = q_last[row0 + r] > last ? q_last[row0 + r] : last;
-    }
+    const int rows = p.seq_q - row0 < kBr ? static_cast<int>(p.seq_q - row0) : kBr;
+    int64_t first, last, unused;  // locals: the shared variables are written once, below
+    kernels::position_range(q_first + row0, rows, first, unused);
+    kernels::position_range(q_last + row0, rows, unused, last);
     block_first = first;
     block_last = last;
   }
@@ -87,11 +86,8 @@ __global__ void __launch_bounds__(kBr * (D / kSlice))
     __syncthreads();  // kpos_tile, block_first and block_last are visible to all threads
 
     if (p.masked) {  // the same answer in every thread: the whole block skips or none does
-      int64_t min_k_pos = LLONG_MAX, max_k_pos = LLONG_MIN;
-      for (int jj = 0; jj < n; ++jj) {
-        min_k_pos = kpos_tile[jj] < min_k_pos ? kpos_tile[jj] : min_k_pos;
-        max_k_pos = kpos_tile[jj] > max_k_pos ? kpos_tile[jj] : max_k_pos;
-      }
+      int64_t min_k_pos, max_k_pos;
+      kernels::position_range(kpos_tile, n, min_k_pos, max_k_pos);
       if (min_k_pos > block_last || max_k_pos < block_first) {
         __syncthreads();  // nobody rewrites kpos_tile while another thread still reads it
         continue;

@@ -8,6 +8,7 @@
 #include <torch/types.h>
 
 #include <optional>
+#include <vector>
 
 namespace cp {
 
@@ -39,6 +40,10 @@ struct VisibleKeys {
   torch::Tensor first;  ///< [Sq] int64, on q's device
   torch::Tensor last;   ///< [Sq] int64, on q's device
 };
+
+/// mask.documents checked (int64 [n_docs + 1 >= 2], from 0, non-decreasing: a cp::Error naming
+/// mask.documents otherwise) and read to the host: c_0 … c_n.
+std::vector<int64_t> document_bounds(const torch::Tensor& documents);
 
 /// The visible keys of each query of `mask` (q_pos: the checked query positions, e.g. from
 /// mask_positions). Checks the mask: window >= 1 only with causal, documents int64 [n >= 2] from 0

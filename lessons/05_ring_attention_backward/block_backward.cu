@@ -58,11 +58,10 @@ __global__ void __launch_bounds__(kRows * (D / 32))
   const int64_t my_first = active && p.masked ? q_first[i] : LLONG_MIN;  // this row sees my_first .. my_last
   const int64_t my_last = active && p.masked ? q_last[i] : LLONG_MAX;
   if (threadIdx.x == 0 && p.masked) {
-    int64_t first = LLONG_MAX, last = LLONG_MIN;
-    for (int r = 0; r < kRows && row0 + r < p.seq_q; ++r) {
-      first = q_first[row0 + r] < first ? q_first[row0 + r] : first;
-      last = q_last[row0 + r] > last ? q_last[row0 + r] : last;
-    }
+    const int rows = p.seq_q - row0 < kRows ? static_cast<int>(p.seq_q - row0) : kRows;
+    int64_t first, last, unused;  // locals: the shared variables are written once, below
+    kernels::position_range(q_first + row0, rows, first, unused);
+    kernels::position_range(q_last + row0, rows, unused, last);
     block_first = first;
     block_last = last;
   }
@@ -72,11 +71,8 @@ __global__ void __launch_bounds__(kRows * (D / 32))
     if (threadIdx.x < kTile) kpos_tile[threadIdx.x] = threadIdx.x < n ? k_pos[j0 + threadIdx.x] : LLONG_MAX;
     __syncthreads();  // kpos_tile, block_first and block_last are visible
     if (p.masked) {
-      int64_t min_k_pos = LLONG_MAX, max_k_pos = LLONG_MIN;
-      for (int jj = 0; jj < n; ++jj) {
-        min_k_pos = kpos_tile[jj] < min_k_pos ? kpos_tile[jj] : min_k_pos;
-        max_k_pos = kpos_tile[jj] > max_k_pos ? kpos_tile[jj] : max_k_pos;
-      }
+      int64_t min_k_pos, max_k_pos;
+      kernels::position_range(kpos_tile, n, min_k_pos, max_k_pos);
       if (min_k_pos > block_last || max_k_pos < block_first) {  // no query of the block sees a key of the tile
         __syncthreads();                  // nobody rewrites kpos_tile while others still read it
         continue;
@@ -129,11 +125,9 @@ __global__ void __launch_bounds__(kRows * (D / 16))
   }
   const int64_t my_pos = active ? k_pos[j] : LLONG_MAX;
   if (threadIdx.x == 0) {
-    int64_t min_pos = LLONG_MAX, max_pos = LLONG_MIN;
-    for (int r = 0; r < kRows && row0 + r < p.seq_k; ++r) {
-      min_pos = k_pos[row0 + r] < min_pos ? k_pos[row0 + r] : min_pos;
-      max_pos = k_pos[row0 + r] > max_pos ? k_pos[row0 + r] : max_pos;
-    }
+    const int rows = p.seq_k - row0 < kRows ? static_cast<int>(p.seq_k - row0) : kRows;
+    int64_t min_pos, max_pos;  // locals: the shared variables are written once, below
+    kernels::position_range(k_pos + row0, rows, min_pos, max_pos);
     block_min_k_pos = min_pos;
     block_max_k_pos = max_pos;
   }
@@ -150,11 +144,9 @@ __global__ void __launch_bounds__(kRows * (D / 16))
       }
       __syncthreads();  // the query tile's ranges, lse and delta are visible
       if (p.masked) {
-        int64_t first = LLONG_MAX, last = LLONG_MIN;
-        for (int ii = 0; ii < n; ++ii) {
-          first = first_tile[ii] < first ? first_tile[ii] : first;
-          last = last_tile[ii] > last ? last_tile[ii] : last;
-        }
+        int64_t first, last, unused;
+        kernels::position_range(first_tile, n, first, unused);
+        kernels::position_range(last_tile, n, unused, last);
         if (last < block_min_k_pos || first > block_max_k_pos) {  // no query of the tile sees a key of the block
           __syncthreads();                  // nobody rewrites the tile arrays while others still read them
           continue;

@@ -262,21 +262,19 @@ AttentionShapes check_attention_inputs(const torch::Tensor& q, const torch::Tens
   return s;
 }
 
-namespace {
-/// mask.documents, checked: int64 [n_docs + 1 >= 2] from 0, non-decreasing; on `device`.
-torch::Tensor checked_documents(const torch::Tensor& documents, torch::Device device) {
-  CP_CHECK(documents.dim() == 1 && documents.size(0) >= 2 && documents.scalar_type() == torch::kLong,
+std::vector<int64_t> document_bounds(const torch::Tensor& documents) {
+  CP_CHECK(documents.defined() && documents.dim() == 1 && documents.size(0) >= 2 &&
+               documents.scalar_type() == torch::kLong,
            "mask.documents: expected cu_seqlens, an int64 tensor [n_docs + 1] with at least one document, got ",
-           documents.dtype(), " ", documents.sizes());
+           documents.defined() ? c10::str(documents.dtype(), " ", documents.sizes()) : "undefined");
   const torch::Tensor cu = documents.cpu().contiguous();
-  const int64_t* c = cu.data_ptr<int64_t>();
+  const std::vector<int64_t> c(cu.data_ptr<int64_t>(), cu.data_ptr<int64_t>() + cu.numel());
   CP_CHECK(c[0] == 0, "mask.documents: must start at 0 (the first document's first position), got ", c[0]);
-  for (int64_t d = 0; d + 1 < cu.size(0); ++d)
+  for (size_t d = 0; d + 1 < c.size(); ++d)
     CP_CHECK(c[d] <= c[d + 1], "mask.documents: must be non-decreasing (document d holds the positions [c_d, c_{d+1})), ",
              "but c_", d, " = ", c[d], " > c_", d + 1, " = ", c[d + 1]);
-  return cu.to(device);
+  return c;
 }
-}  // namespace
 
 VisibleKeys visible_keys(const AttentionMask& mask, const torch::Tensor& q_pos) {
   constexpr int64_t kMaxWindow = int64_t{1} << 62;  // q_pos − (W − 1) cannot overflow for positions >= −2^62
@@ -290,7 +288,7 @@ VisibleKeys visible_keys(const AttentionMask& mask, const torch::Tensor& q_pos) 
   keys.last = mask.causal ? q_pos.clone() : torch::full_like(q_pos, std::numeric_limits<int64_t>::max());
   keys.first = mask.window > 0 ? q_pos - (mask.window - 1) : torch::full_like(q_pos, std::numeric_limits<int64_t>::min());
   if (mask.documents.defined()) {
-    const torch::Tensor cu = checked_documents(mask.documents, q_pos.device());
+    const torch::Tensor cu = torch::tensor(document_bounds(mask.documents), torch::kLong).to(q_pos.device());
     CP_CHECK(q_pos.numel() == 0 || q_pos.min().item<int64_t>() >= 0,
              "mask.q_positions: a negative position belongs to no document of mask.documents (which start at 0)");
     const int64_t docs = cu.size(0) - 1;
