@@ -95,8 +95,8 @@ PaddedLayout padded_layout(TokenLayout layout, int64_t tokens, int world);
 
 /// The packed documents of `documents` (cu_seqlens, int64 [n + 1]) zig-zag per document: each
 /// document is padded to a multiple of 2N and cut into 2N chunks, and rank r holds chunks r and
-/// 2N − 1 − r of every document, document after document. Padding slots take positions T, T + 1, …
-/// in the order they appear (rank 0's first).
+/// 2N − 1 − r of every document, document after document. Each padding slot takes the next unused
+/// position from T on.
 PaddedLayout document_zigzag_layout(const torch::Tensor& documents, int world);
 
 /// Padding rows over real tokens: (N · rows − T) / T (0 for T = 0).
