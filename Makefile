@@ -28,7 +28,9 @@ export BUILD_DIR = $(BUILD)
 # N as two digits (1 -> 01); empty when N is not a number of one or two digits
 NN = $(shell case '$(N)' in ([0-9]|[0-9][0-9]) printf '%02d' $$((10#$(N)));; esac)
 LESSONS = $$(ls lessons | tr '\n' ' ')
-CMAKE_ARGS = -G Ninja -DCP_CUDA_ARCHS="$(CP_CUDA_ARCHS)" $(if $(CMAKE_PREFIX_PATH),-DCMAKE_PREFIX_PATH="$(CMAKE_PREFIX_PATH)")
+# CMAKE_FLAGS: more -D options for the configure (CI's CUDA part: -DCP_LEARNER_BUILD=OFF)
+CMAKE_FLAGS ?=
+CMAKE_ARGS = -G Ninja -DCP_CUDA_ARCHS="$(CP_CUDA_ARCHS)" $(if $(CMAKE_PREFIX_PATH),-DCMAKE_PREFIX_PATH="$(CMAKE_PREFIX_PATH)") $(CMAKE_FLAGS)
 
 .PHONY: setup setup-cuda-cpu configure build test demo lesson status compare docs bench mutants skeletons check-skeletons gpu-check sanitize test-debian13 clean need-N
 
