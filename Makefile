@@ -8,7 +8,7 @@
 #   make compare N=01    learner vs solution: results, errors, timings, diff of filled regions
 #   make sanitize        the solution tests under ASan + UBSan and TSan (build-address/, build-thread/)
 #   make test-debian13   (maintainers, CI; root) the course in Debian 13 roots: make demo, make test
-#                        and the kernel tests on the CPU there, and every target built against CUDA
+#                        and the kernel tests on the CPU there, and every solution built against CUDA
 #                        LibTorch + NCCL (build-debian13/); PART=cpu|cuda: one of them; PART=source:
 #                        CUDA on the CPU built there from ../shared/cuda-cpu/src, and lesson 03 on it
 #   make mutants N=04    (maintainers) apply each classic mistake of tests/mistakes/ to a scratch copy
