@@ -273,6 +273,41 @@ CP_TEST(Lesson12, Task3_PredictionEqualsTheSchedule) {
   }
 }
 
+CP_TEST(Lesson12, Task3_AWindowedGatherFetchesOnlyTheChunksItNeeds) {
+  // The all-gather variant under a window (given code): rank r receives the K/V of the ranks
+  // window_ring_steps − 1 before it, not all N − 1 (lesson 08's gather), and sends the dK/dV of
+  // those chunks back. Results against the oracle; bytes against the prediction of task 3.
+  for_each_world([](Comm& comm) {
+    const int n = comm.size(), r = comm.rank();
+    const int64_t chunk = 12, s = chunk * n, kv_bytes = 2 * 2 * chunk * 32 * 4;  // K and V, float32
+    const Sequence seq = make_sequence(s, 85);
+    auto mine = [&](const torch::Tensor& t) { return t.narrow(2, r * chunk, chunk); };
+    for (const int64_t window : {int64_t{1}, int64_t{6}, int64_t{25}, s}) {
+      const int depth = window_ring_steps(TokenLayout::Contiguous, s, n, window) - 1;
+      const testing::OracleMask whole{true, torch::arange(s), torch::arange(s), window, {}};
+      const auto [out, lse] = testing::oracle_attention(seq.q, seq.k, seq.v, whole, 1.0 / std::sqrt(32.0));
+      const auto [dq, dk, dv] = testing::oracle_attention_grads(seq.q, seq.k, seq.v, seq.dout, whole, 1.0 / std::sqrt(32.0));
+      const RingResult f = windowed_gather_attention_forward(comm, mine(seq.q), mine(seq.k), mine(seq.v), window);
+      const RingGrads g = windowed_gather_attention_backward(comm, mine(seq.dout), mine(seq.q), mine(seq.k),
+                                                             mine(seq.v), f.out, f.lse, window);
+      const std::string what = "windowed gather, W = " + std::to_string(window) + ", rank " + std::to_string(r) +
+                               " of " + std::to_string(n);
+      CP_EXPECT_CLOSE(f.out, mine(out), "out " + what, kDims);
+      CP_EXPECT_CLOSE(f.lse, lse.narrow(2, r * chunk, chunk), "lse " + what, {"b", "h", "s"});
+      const bool zero_by_cancellation = window == 1;  // as in check_masked_ring
+      CP_EXPECT_CLOSE(g.dq, mine(dq), "dq " + what, kDims,
+                      testing::gradient_tolerance(torch::kFloat, zero_by_cancellation ? dv : dq));
+      CP_EXPECT_CLOSE(g.dk, mine(dk), "dk " + what, kDims,
+                      testing::gradient_tolerance(torch::kFloat, zero_by_cancellation ? dv : dk));
+      CP_EXPECT_CLOSE(g.dv, mine(dv), "dv " + what, kDims, testing::gradient_tolerance(torch::kFloat, dv));
+      const int64_t sends = std::min(depth, n - 1 - r), receives = std::min(depth, r);
+      EXPECT_EQ(f.stats.bytes_sent, sends * kv_bytes) << what << ": K/V to the ranks after it that need it";
+      EXPECT_EQ(g.stats.bytes_sent, (sends + receives) * kv_bytes) << what << ": K/V again, and dK/dV sent back";
+      EXPECT_LE(f.stats.bytes_sent, (n - 1) * kv_bytes) << what << ": never more than lesson 08's full gather";
+    }
+  });
+}
+
 CP_TEST(Lesson12, Task3_BadInputGivesClearErrors) {
   window_ring_steps(TokenLayout::Contiguous, 8, 2, 3);  // counts once implemented
   testing::expect_errors({

@@ -265,6 +265,99 @@ RingGrads masked_ring_attention_backward(Comm& comm, const torch::Tensor& dout, 
                                  masked_options(comm, layout, mask, std::move(options)));
 }
 
+namespace {
+
+/// The chunks of the windowed gather: rank r needs the `behind` ranks before it (at most r).
+int gather_depth(int64_t window, int64_t chunk, int world) {
+  CP_CHECK(window >= 1, "window: must be at least 1, got ", window);
+  if (chunk == 0) return 0;
+  return static_cast<int>(std::min<int64_t>(world - 1, (window - 1 + chunk - 1) / chunk));
+}
+
+/// Sends `mine` to the `depth` ranks after this one and receives theirs from the `depth` before,
+/// all at once; returns the chunks of ranks r − g … r (g = min(r, depth)) concatenated along the
+/// sequence, and adds the bytes sent to `bytes`.
+torch::Tensor gather_behind(Comm& comm, const torch::Tensor& mine, int depth, int64_t& bytes) {
+  const int r = comm.rank(), n = comm.size(), g = std::min(r, depth);
+  std::vector<torch::Tensor> chunks(g + 1);
+  std::vector<P2POp> ops;
+  for (int d = 1; d <= depth && r + d < n; ++d) {
+    ops.push_back(P2POp::send(mine, r + d));
+    bytes += mine.numel() * mine.element_size();
+  }
+  for (int d = 1; d <= g; ++d) {
+    chunks[g - d] = torch::empty_like(mine);
+    ops.push_back(P2POp::recv(chunks[g - d], r - d));
+  }
+  comm.start(ops).wait();
+  chunks[g] = mine;
+  return torch::cat(chunks, 2);
+}
+
+/// The window mask of rank r's queries against the gathered chunks r − g … r.
+AttentionMask gathered_mask(int rank, int g, int64_t chunk, int64_t window, torch::Device device) {
+  const auto long_on = torch::TensorOptions().dtype(torch::kLong).device(device);
+  AttentionMask mask{true, torch::arange(rank * chunk, (rank + 1) * chunk, long_on),
+                     torch::arange((rank - g) * chunk, (rank + 1) * chunk, long_on)};
+  mask.window = window;
+  return mask;
+}
+
+}  // namespace
+
+RingResult windowed_gather_attention_forward(Comm& comm, const torch::Tensor& q, const torch::Tensor& k,
+                                             const torch::Tensor& v, int64_t window, std::optional<double> scale) {
+  RingOptions options;  // the ring's checks: shapes, the same on every rank
+  const int64_t chunk = check_ring_inputs(comm, q, k, v, options);
+  const int depth = gather_depth(window, chunk, comm.size()), g = std::min(comm.rank(), depth);
+  RingResult result;
+  const torch::Tensor kv = gather_behind(comm, torch::cat({k, v}, 1).contiguous(), depth, result.stats.bytes_sent);
+  const int64_t hkv = k.size(1);
+  const AttnResult a = attention_block_forward(q, kv.narrow(1, 0, hkv), kv.narrow(1, hkv, hkv),
+                                               gathered_mask(comm.rank(), g, chunk, window, q.device()), scale);
+  result.out = a.out;
+  result.lse = a.lse;
+  result.stats.steps_computed = 1;
+  result.stats.steps.push_back({comm.rank(), chunk * (g + 1) * chunk, 0.0});
+  return result;
+}
+
+RingGrads windowed_gather_attention_backward(Comm& comm, const torch::Tensor& dout, const torch::Tensor& q,
+                                             const torch::Tensor& k, const torch::Tensor& v,
+                                             const torch::Tensor& out, const torch::Tensor& lse, int64_t window,
+                                             std::optional<double> scale) {
+  RingOptions options;
+  const int64_t chunk = check_ring_inputs(comm, q, k, v, options);
+  const int r = comm.rank(), n = comm.size();
+  const int depth = gather_depth(window, chunk, n), g = std::min(r, depth);
+  RingGrads result;
+  const torch::Tensor kv = gather_behind(comm, torch::cat({k, v}, 1).contiguous(), depth, result.stats.bytes_sent);
+  const int64_t hkv = k.size(1);
+  const AttnGrads a = attention_block_backward(dout, q, kv.narrow(1, 0, hkv), kv.narrow(1, hkv, hkv), out, lse,
+                                               gathered_mask(r, g, chunk, window, q.device()), scale);
+  // dK/dV of chunk r − d go back to rank r − d; ours come from the ranks after us that saw it.
+  const torch::Tensor dkv = torch::cat({a.dk, a.dv}, 1);  // [B, 2·Hkv, (g + 1)·c, D] float32
+  std::vector<P2POp> ops;
+  for (int d = 1; d <= g; ++d) {
+    const torch::Tensor part = dkv.narrow(2, (g - d) * chunk, chunk).contiguous();
+    ops.push_back(P2POp::send(part, r - d));
+    result.stats.bytes_sent += part.numel() * part.element_size();
+  }
+  std::vector<torch::Tensor> arriving;
+  for (int d = 1; d <= depth && r + d < n; ++d) {
+    arriving.push_back(torch::empty({dkv.size(0), dkv.size(1), chunk, dkv.size(3)}, dkv.options()));
+    ops.push_back(P2POp::recv(arriving.back(), r + d));
+  }
+  comm.start(ops).wait();
+  torch::Tensor own = dkv.narrow(2, g * chunk, chunk).clone();
+  for (const torch::Tensor& t : arriving) own.add_(t);
+  result.dq = a.dq.to(q.scalar_type());
+  result.dk = own.narrow(1, 0, hkv).to(k.scalar_type());
+  result.dv = own.narrow(1, hkv, hkv).to(v.scalar_type());
+  result.stats.steps_computed = 1;
+  return result;
+}
+
 Strategy masked_ring_strategy(TokenLayout layout, const SequenceMask& mask) {
   CP_CHECK(mask.causal, "mask.causal: the layer's strategies are causal");
   CP_CHECK(layout != TokenLayout::Stripe, "layout: the stripe layout has no ring strategy (lesson 07)");

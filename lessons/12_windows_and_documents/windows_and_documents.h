@@ -10,6 +10,7 @@
 
 #include <torch/types.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -124,6 +125,20 @@ RingGrads masked_ring_attention_backward(Comm& comm, const torch::Tensor& dout, 
                                          const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& out,
                                          const torch::Tensor& lse, const PaddedLayout& layout,
                                          const SequenceMask& mask, RingOptions options = {});
+
+/// The all-gather variant under a sliding window of `window` keys (causal), on contiguous shards
+/// q [B, Hq, S/N, D], k, v [B, Hkv, S/N, D]: instead of gathering every chunk (lesson 08), rank r
+/// receives only the K/V of the g = min(r, ⌈(W − 1)/c⌉) ranks before it (each rank sends its
+/// chunk to the ranks after it that need it, at once), attends to those g + 1 chunks under the
+/// window, and the backward sends each received chunk's dK/dV back to its owner. stats.bytes_sent:
+/// the K/V (forward) or K/V and float32 dK/dV (backward) this rank sent.
+RingResult windowed_gather_attention_forward(Comm& comm, const torch::Tensor& q, const torch::Tensor& k,
+                                             const torch::Tensor& v, int64_t window,
+                                             std::optional<double> scale = std::nullopt);
+RingGrads windowed_gather_attention_backward(Comm& comm, const torch::Tensor& dout, const torch::Tensor& q,
+                                             const torch::Tensor& k, const torch::Tensor& v,
+                                             const torch::Tensor& out, const torch::Tensor& lse, int64_t window,
+                                             std::optional<double> scale = std::nullopt);
 
 /// Lesson 09's strategy for the ring under `mask` (causal) on `layout`'s shards (contiguous or
 /// zig-zag; S divisible by 2N, as lesson 09's layer shards it), for every sequence of the batch:
