@@ -39,15 +39,17 @@ struct PaddedTile {
   }
 };
 
-/// The smallest and the largest of the n positions `pos` (n = 0: LLONG_MAX and LLONG_MIN, a range
-/// that contains nothing): a tile's positions, or the visible key range of a block's rows, which
-/// decide whether the block skips the tile whole. Read by one thread or by all (the same answer).
-__device__ __forceinline__ void position_range(const int64_t* pos, int n, int64_t& lo, int64_t& hi) {
+/// The positions n ranges first[i] … last[i] cover together: the smallest first and the largest
+/// last (n = 0: LLONG_MAX and LLONG_MIN, a range that contains nothing). With first = last = a
+/// tile's positions, their smallest and largest. The keys a block's rows see against a tile's
+/// positions decide whether the block skips the tile whole. Read by one thread or by all.
+__device__ __forceinline__ void covered_range(const int64_t* first, const int64_t* last, int n, int64_t& lo,
+                                              int64_t& hi) {
   lo = LLONG_MAX;
   hi = LLONG_MIN;
   for (int i = 0; i < n; ++i) {
-    lo = pos[i] < lo ? pos[i] : lo;
-    hi = pos[i] > hi ? pos[i] : hi;
+    lo = first[i] < lo ? first[i] : lo;
+    hi = last[i] > hi ? last[i] : hi;
   }
 }
 

@@ -195,12 +195,10 @@ std::pair<RingStats, RingStats> check_masked_ring(Comm& comm, const PaddedLayout
   const torch::Tensor padding = (layout.positions[r] >= layout.tokens).view({1, 1, -1});
   CP_EXPECT_CLOSE(f.out, mine(out), "out " + what, kDims);
   CP_EXPECT_CLOSE(f.lse, lse_rows.masked_fill(padding, -INFINITY), "lse " + what, {"b", "h", "s"});
-  // A window of one key: dq = dk = 0 exactly (P = 1, dS = dP − D = 0), measured against dv's size.
-  const bool zero_by_cancellation = mask.window == 1;
   CP_EXPECT_CLOSE(g.dq, mine(dq), "dq " + what, kDims,
-                  testing::gradient_tolerance(torch::kFloat, zero_by_cancellation ? dv : dq));
+                  testing::query_key_gradient_tolerance(torch::kFloat, dq, dv, mask.window));
   CP_EXPECT_CLOSE(g.dk, mine(dk), "dk " + what, kDims,
-                  testing::gradient_tolerance(torch::kFloat, zero_by_cancellation ? dv : dk));
+                  testing::query_key_gradient_tolerance(torch::kFloat, dk, dv, mask.window));
   CP_EXPECT_CLOSE(g.dv, mine(dv), "dv " + what, kDims, testing::gradient_tolerance(torch::kFloat, dv));
   return {f.stats, g.stats};
 }
@@ -294,11 +292,10 @@ CP_TEST(Lesson12, Task3_AWindowedGatherFetchesOnlyTheChunksItNeeds) {
                                " of " + std::to_string(n);
       CP_EXPECT_CLOSE(f.out, mine(out), "out " + what, kDims);
       CP_EXPECT_CLOSE(f.lse, lse.narrow(2, r * chunk, chunk), "lse " + what, {"b", "h", "s"});
-      const bool zero_by_cancellation = window == 1;  // as in check_masked_ring
       CP_EXPECT_CLOSE(g.dq, mine(dq), "dq " + what, kDims,
-                      testing::gradient_tolerance(torch::kFloat, zero_by_cancellation ? dv : dq));
+                      testing::query_key_gradient_tolerance(torch::kFloat, dq, dv, window));
       CP_EXPECT_CLOSE(g.dk, mine(dk), "dk " + what, kDims,
-                      testing::gradient_tolerance(torch::kFloat, zero_by_cancellation ? dv : dk));
+                      testing::query_key_gradient_tolerance(torch::kFloat, dk, dv, window));
       CP_EXPECT_CLOSE(g.dv, mine(dv), "dv " + what, kDims, testing::gradient_tolerance(torch::kFloat, dv));
       const int64_t sends = std::min(depth, n - 1 - r), receives = std::min(depth, r);
       EXPECT_EQ(f.stats.bytes_sent, sends * kv_bytes) << what << ": K/V to the ranks after it that need it";

@@ -73,9 +73,8 @@ __global__ void __launch_bounds__(kBr * (D / kSlice))
 
   if (t == 0 && p.masked) {  // the keys any row of the block sees: tiles outside them are skipped whole
     const int rows = p.seq_q - row0 < kBr ? static_cast<int>(p.seq_q - row0) : kBr;
-    int64_t first, last, unused;  // locals: the shared variables are written once, below
-    kernels::position_range(q_first + row0, rows, first, unused);
-    kernels::position_range(q_last + row0, rows, unused, last);
+    int64_t first, last;  // locals: the shared variables are written once, below
+    kernels::covered_range(q_first + row0, q_last + row0, rows, first, last);
     block_first = first;
     block_last = last;
   }
@@ -87,7 +86,7 @@ __global__ void __launch_bounds__(kBr * (D / kSlice))
 
     if (p.masked) {  // the same answer in every thread: the whole block skips or none does
       int64_t min_k_pos, max_k_pos;
-      kernels::position_range(kpos_tile, n, min_k_pos, max_k_pos);
+      kernels::covered_range(kpos_tile, kpos_tile, n, min_k_pos, max_k_pos);
       if (min_k_pos > block_last || max_k_pos < block_first) {
         __syncthreads();  // nobody rewrites kpos_tile while another thread still reads it
         continue;

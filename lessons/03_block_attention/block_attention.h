@@ -41,13 +41,13 @@ struct VisibleKeys {
   torch::Tensor last;   ///< [Sq] int64, on q's device
 };
 
-/// mask.documents checked (int64 [n_docs + 1 >= 2], from 0, non-decreasing: a cp::Error naming
-/// mask.documents otherwise) and read to the host: c_0 … c_n.
-std::vector<int64_t> document_bounds(const torch::Tensor& documents);
+/// The checks of a mask's window (0, or at least 1 with causal) and documents (int64 [n + 1 >= 2],
+/// from 0, non-decreasing); errors name the field (mask.window, mask.documents). Returns the
+/// documents' bounds c_0 … c_n on the host, or nothing without documents.
+std::vector<int64_t> check_mask(const AttentionMask& mask);
 
 /// The visible keys of each query of `mask` (q_pos: the checked query positions, e.g. from
-/// mask_positions). Checks the mask: window >= 1 only with causal, documents int64 [n >= 2] from 0
-/// and non-decreasing, no negative position with documents; errors name the field.
+/// mask_positions). Checks the mask (check_mask, and no negative position with documents).
 VisibleKeys visible_keys(const AttentionMask& mask, const torch::Tensor& q_pos);
 
 /// A mask by name: causal or not, positions 0 .. S−1 (set the positions by name when they differ).

@@ -13,19 +13,22 @@ namespace cp {
 
 namespace {
 
-/// mask.documents on the host (or {0, tokens}: one document), checked (lesson 03).
-std::vector<int64_t> bounds_or_one_document(const SequenceMask& mask, int64_t tokens) {
-  if (!mask.documents.defined()) return {0, tokens};
-  return document_bounds(mask.documents);
-}
-
 /// The AttentionMask of `mask` for the queries and keys at the given positions.
-AttentionMask attention_mask(const SequenceMask& mask, const torch::Tensor& q_positions,
-                             const torch::Tensor& k_positions) {
+AttentionMask attention_mask(const SequenceMask& mask, const torch::Tensor& q_positions = {},
+                             const torch::Tensor& k_positions = {}) {
   AttentionMask m{mask.causal, q_positions, k_positions};
   m.window = mask.window;
   m.documents = mask.documents;
   return m;
+}
+
+/// `mask` checked over `tokens` tokens (lesson 03's check_mask, and documents that end at
+/// `tokens`), and its documents' bounds on the host ({0, tokens} without documents: one document).
+std::vector<int64_t> checked_bounds(const SequenceMask& mask, int64_t tokens) {
+  const std::vector<int64_t> c = check_mask(attention_mask(mask));
+  if (c.empty()) return {0, tokens};
+  CP_CHECK(c.back() == tokens, "mask.documents: must end at the number of tokens T = ", tokens, ", ends at ", c.back());
+  return c;
 }
 
 /// `base`'s plan for one step, refined by the mask: skipped, computed whole, or with the mask.
@@ -51,13 +54,7 @@ BlockPlan refined_plan(const RingSchedule& base, const SequenceMask& mask, int r
 
 }  // namespace
 
-void check_sequence_mask(const SequenceMask& mask, int64_t tokens) {
-  CP_CHECK(mask.window >= 0, "mask.window: must be at least 1 (0: no window), got ", mask.window);
-  CP_CHECK(mask.window == 0 || mask.causal, "mask.window: a sliding window (", mask.window, ") needs causal = true");
-  if (!mask.documents.defined()) return;
-  const std::vector<int64_t> c = document_bounds(mask.documents);  // lesson 03's checks
-  CP_CHECK(c.back() == tokens, "mask.documents: must end at the number of tokens T = ", tokens, ", ends at ", c.back());
-}
+void check_sequence_mask(const SequenceMask& mask, int64_t tokens) { checked_bounds(mask, tokens); }
 
 std::string to_string(Visibility visibility) {
   switch (visibility) {
@@ -119,10 +116,9 @@ int window_ring_steps(TokenLayout layout, int64_t seq, int world, int64_t window
 }
 
 int64_t masked_work(const torch::Tensor& positions, const SequenceMask& mask, int64_t tokens) {
-  check_sequence_mask(mask, tokens);
+  const std::vector<int64_t> cu = checked_bounds(mask, tokens);
   CP_CHECK(positions.defined() && positions.dim() == 1 && positions.scalar_type() == torch::kLong,
            "positions: expected an int64 1-D tensor");
-  const std::vector<int64_t> cu = bounds_or_one_document(mask, tokens);
   const torch::Tensor pos = positions.cpu().contiguous();
   const int64_t* p = pos.data_ptr<int64_t>();
   int64_t work = 0;
@@ -165,8 +161,7 @@ PaddedLayout document_zigzag_layout(const torch::Tensor& documents, int world) {
   SequenceMask mask;
   mask.documents = documents;
   const int64_t tokens = documents.numel() ? documents.cpu()[-1].item<int64_t>() : 0;
-  check_sequence_mask(mask, tokens);
-  const std::vector<int64_t> cu = bounds_or_one_document(mask, tokens);
+  const std::vector<int64_t> cu = checked_bounds(mask, tokens);
   std::vector<std::vector<int64_t>> rows(world);
   int64_t next_padding = tokens;  // padding slots get T, T + 1, …
   // BEGIN YOUR CODE task 5: zig-zag per document, padded

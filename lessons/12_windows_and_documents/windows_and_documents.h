@@ -27,9 +27,8 @@ struct SequenceMask {
   torch::Tensor documents;  ///< cu_seqlens int64 [n + 1] of the T tokens; undefined: one document
 };
 
-/// The checks of a mask over `tokens` tokens: window >= 0 and only with causal, documents int64
-/// [n + 1 >= 2] from 0, non-decreasing, ending at `tokens`. Errors name the field (mask.window,
-/// mask.documents).
+/// The checks of a mask over `tokens` tokens: lesson 03's check_mask, and documents that end at
+/// `tokens`. Errors name the field (mask.window, mask.documents).
 void check_sequence_mask(const SequenceMask& mask, int64_t tokens);
 
 // ── Task 1: which pairs of a block are visible ──────────────────────────────────────────────

@@ -262,11 +262,18 @@ AttentionShapes check_attention_inputs(const torch::Tensor& q, const torch::Tens
   return s;
 }
 
-std::vector<int64_t> document_bounds(const torch::Tensor& documents) {
-  CP_CHECK(documents.defined() && documents.dim() == 1 && documents.size(0) >= 2 &&
+std::vector<int64_t> check_mask(const AttentionMask& mask) {
+  constexpr int64_t kMaxWindow = int64_t{1} << 62;  // q_pos − (W − 1) cannot overflow for positions >= −2^62
+  CP_CHECK(mask.window >= 0 && mask.window <= kMaxWindow, "mask.window: must be at least 1 (0: no window), got ",
+           mask.window);
+  CP_CHECK(mask.window == 0 || mask.causal, "mask.window: a sliding window (", mask.window, ") needs causal = true: ",
+           "a query sees its own key and the W − 1 before it");
+  const torch::Tensor& documents = mask.documents;
+  if (!documents.defined()) return {};
+  CP_CHECK(documents.dim() == 1 && documents.size(0) >= 2 &&
                documents.scalar_type() == torch::kLong,
            "mask.documents: expected cu_seqlens, an int64 tensor [n_docs + 1] with at least one document, got ",
-           documents.defined() ? c10::str(documents.dtype(), " ", documents.sizes()) : "undefined");
+           documents.dtype(), " ", documents.sizes());
   const torch::Tensor cu = documents.cpu().contiguous();
   const std::vector<int64_t> c(cu.data_ptr<int64_t>(), cu.data_ptr<int64_t>() + cu.numel());
   CP_CHECK(c[0] == 0, "mask.documents: must start at 0 (the first document's first position), got ", c[0]);
@@ -277,18 +284,14 @@ std::vector<int64_t> document_bounds(const torch::Tensor& documents) {
 }
 
 VisibleKeys visible_keys(const AttentionMask& mask, const torch::Tensor& q_pos) {
-  constexpr int64_t kMaxWindow = int64_t{1} << 62;  // q_pos − (W − 1) cannot overflow for positions >= −2^62
-  CP_CHECK(mask.window >= 0 && mask.window <= kMaxWindow, "mask.window: must be at least 1 (0: no window), got ",
-           mask.window);
-  CP_CHECK(mask.window == 0 || mask.causal, "mask.window: a sliding window (", mask.window, ") needs causal = true: ",
-           "a query sees its own key and the W − 1 before it");
+  const std::vector<int64_t> bounds = check_mask(mask);
   VisibleKeys keys;
   if (!mask.causal && !mask.documents.defined()) return keys;  // every pair visible
   keys.masked = true;
   keys.last = mask.causal ? q_pos.clone() : torch::full_like(q_pos, std::numeric_limits<int64_t>::max());
   keys.first = mask.window > 0 ? q_pos - (mask.window - 1) : torch::full_like(q_pos, std::numeric_limits<int64_t>::min());
   if (mask.documents.defined()) {
-    const torch::Tensor cu = torch::tensor(document_bounds(mask.documents), torch::kLong).to(q_pos.device());
+    const torch::Tensor cu = torch::tensor(bounds, torch::kLong).to(q_pos.device());
     CP_CHECK(q_pos.numel() == 0 || q_pos.min().item<int64_t>() >= 0,
              "mask.q_positions: a negative position belongs to no document of mask.documents (which start at 0)");
     const int64_t docs = cu.size(0) - 1;

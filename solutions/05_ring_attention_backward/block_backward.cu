@@ -57,9 +57,8 @@ __global__ void __launch_bounds__(kRows * (D / 32))
   const int64_t my_last = active && p.masked ? q_last[i] : LLONG_MAX;
   if (threadIdx.x == 0 && p.masked) {
     const int rows = p.seq_q - row0 < kRows ? static_cast<int>(p.seq_q - row0) : kRows;
-    int64_t first, last, unused;  // locals: the shared variables are written once, below
-    kernels::position_range(q_first + row0, rows, first, unused);
-    kernels::position_range(q_last + row0, rows, unused, last);
+    int64_t first, last;  // locals: the shared variables are written once, below
+    kernels::covered_range(q_first + row0, q_last + row0, rows, first, last);
     block_first = first;
     block_last = last;
   }
@@ -70,7 +69,7 @@ __global__ void __launch_bounds__(kRows * (D / 32))
     __syncthreads();  // kpos_tile, block_first and block_last are visible
     if (p.masked) {
       int64_t min_k_pos, max_k_pos;
-      kernels::position_range(kpos_tile, n, min_k_pos, max_k_pos);
+      kernels::covered_range(kpos_tile, kpos_tile, n, min_k_pos, max_k_pos);
       if (min_k_pos > block_last || max_k_pos < block_first) {  // no query of the block sees a key of the tile
         __syncthreads();                  // nobody rewrites kpos_tile while others still read it
         continue;
@@ -144,7 +143,7 @@ __global__ void __launch_bounds__(kRows * (D / 16))
   if (threadIdx.x == 0) {
     const int rows = p.seq_k - row0 < kRows ? static_cast<int>(p.seq_k - row0) : kRows;
     int64_t min_pos, max_pos;  // locals: the shared variables are written once, below
-    kernels::position_range(k_pos + row0, rows, min_pos, max_pos);
+    kernels::covered_range(k_pos + row0, k_pos + row0, rows, min_pos, max_pos);
     block_min_k_pos = min_pos;
     block_max_k_pos = max_pos;
   }
@@ -161,9 +160,8 @@ __global__ void __launch_bounds__(kRows * (D / 16))
       }
       __syncthreads();  // the query tile's ranges, lse and delta are visible
       if (p.masked) {
-        int64_t first, last, unused;
-        kernels::position_range(first_tile, n, first, unused);
-        kernels::position_range(last_tile, n, unused, last);
+        int64_t first, last;
+        kernels::covered_range(first_tile, last_tile, n, first, last);
         if (last < block_min_k_pos || first > block_max_k_pos) {  // no query of the tile sees a key of the block
           __syncthreads();                  // nobody rewrites the tile arrays while others still read them
           continue;

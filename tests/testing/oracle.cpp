@@ -210,6 +210,11 @@ std::vector<CheckRecord> take_checks() {
                    tolerance.value_or(tolerance_for(actual_in.scalar_type())), inputs);
 }
 
+Tolerance query_key_gradient_tolerance(torch::ScalarType dtype, const torch::Tensor& expected,
+                                       const torch::Tensor& dv, int64_t window) {
+  return gradient_tolerance(dtype, window == 1 ? dv : expected);
+}
+
 torch::Tensor oracle_softmax(const torch::Tensor& x) {
   const torch::Tensor x64 = x.detach().to(torch::kCPU, torch::kDouble);
   const torch::Tensor empty_row = (x64 == -INFINITY).all(-1, /*keepdim=*/true);

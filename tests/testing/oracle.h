@@ -38,6 +38,13 @@ using cp::tolerance_for;
                                             std::optional<Tolerance> tolerance = std::nullopt,
                                             const torch::Tensor& inputs = {});
 
+/// The tolerance of dq or dk (`expected`) under a sliding window of `window` keys (0: none):
+/// gradient_tolerance(dtype, expected), except for a window of one key. There every row sees only
+/// itself, P = 1 and dS = dP − D = 0, so dq = dk = 0 exactly and what float32 code gives is the
+/// rounding of dP − D: it is measured against the size of dv (the oracle's) instead.
+Tolerance query_key_gradient_tolerance(torch::ScalarType dtype, const torch::Tensor& expected,
+                                       const torch::Tensor& dv, int64_t window);
+
 /// Softmax over the last dim in float64; a row of -inf only gives zeros (the course's
 /// definition: such a row attends to nothing), where torch::softmax gives NaN.
 torch::Tensor oracle_softmax(const torch::Tensor& x);
