@@ -97,4 +97,9 @@ AttnResult attention_block_forward(const torch::Tensor& q, const torch::Tensor& 
 void merge_attention(torch::Tensor& out_acc, torch::Tensor& lse_acc, const torch::Tensor& out_blk,
                      const torch::Tensor& lse_blk);
 
+/// merge_attention's checks of its operands (shapes, devices, float32 accumulators): a cp::Error
+/// naming the argument. Lesson 13's merge in another form makes the same ones.
+void check_merge_inputs(const torch::Tensor& out_acc, const torch::Tensor& lse_acc, const torch::Tensor& out_blk,
+                        const torch::Tensor& lse_blk);
+
 }  // namespace cp

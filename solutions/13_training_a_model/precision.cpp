@@ -1,0 +1,139 @@
+// Lesson 13, task 5 — the merge in its sigmoid form, and the experiment that measures how
+// bfloat16 partial results drift as the ring grows.
+#include <cmath>
+
+#include "block_attention.h"
+#include "common/error.h"
+#include "training.h"
+
+namespace cp {
+
+void merge_attention_sigmoid(torch::Tensor& out_acc, torch::Tensor& lse_acc, const torch::Tensor& out_blk,
+                             const torch::Tensor& lse_blk) {
+  check_merge_inputs(out_acc, lse_acc, out_blk, lse_blk);
+  // BEGIN SOLUTION task 5: the sigmoid form
+  // STUB: // TODO(lesson 13, task 5): out_acc − s (out_acc − out_blk) and the log-sigmoid lse, in place; both
+  // STUB: // sides empty stays empty, and no −inf − (−inf) anywhere. README, "Task 5 — `merge_attention_sigmoid`".
+  // STUB: throw NotImplemented("lesson 13, task 5: merge_attention_sigmoid");
+  // Both sides empty: any finite difference leaves out = 0 and lse = −inf; anything else keeps its
+  // difference (±inf for one empty side: s = 0 or 1, exact; NaN stays NaN).
+  const torch::Tensor both_empty = (lse_acc == -INFINITY) & (lse_blk == -INFINITY);
+  const torch::Tensor diff = torch::where(both_empty, torch::zeros_like(lse_acc), lse_blk - lse_acc);
+  const torch::Tensor s = torch::sigmoid(diff).unsqueeze(-1);
+  out_acc.sub_(s * (out_acc - out_blk.to(torch::kFloat)));
+  // log(e^a + e^b) = max − log sigmoid(|a − b|): never −inf − (−inf), and exact when a side is empty.
+  lse_acc.copy_(torch::maximum(lse_acc, lse_blk) - torch::log_sigmoid(diff.abs()));
+  // END SOLUTION
+}
+
+std::string to_string(Accumulator accumulator) {
+  return accumulator == Accumulator::Bfloat16 ? "bfloat16" : "float32";
+}
+
+std::string to_string(MergeForm form) { return form == MergeForm::Exp ? "exp" : "sigmoid"; }
+
+namespace {
+
+/// What a bfloat16 kernel returns: t rounded to bfloat16 (kept as float32 to compute on).
+torch::Tensor round_bf16(const torch::Tensor& t) { return t.to(torch::kBFloat16).to(torch::kFloat); }
+
+/// mean |a − b| / mean |b|, in float64.
+double relative_error(const torch::Tensor& a, const torch::Tensor& b) {
+  const torch::Tensor bd = b.to(torch::kDouble);
+  const double size = bd.abs().mean().item<double>();
+  return (a.to(torch::kDouble) - bd).abs().mean().item<double>() / (size > 0 ? size : 1.0);
+}
+
+/// Query chunk qi against key chunk kj of `c` tokens: the scores, −inf above the diagonal when
+/// qi == kj (causal; qi < kj is never asked).
+torch::Tensor block_scores(const torch::Tensor& q, const torch::Tensor& k, int64_t qi, int64_t kj, int64_t c,
+                           double scale) {
+  torch::Tensor s = q.narrow(1, qi * c, c).matmul(k.narrow(1, kj * c, c).transpose(-1, -2)) * scale;
+  if (qi == kj) s = s.masked_fill(torch::ones({c, c}, torch::kBool).triu(1), -INFINITY);
+  return s;
+}
+
+/// Adds a bfloat16 partial into the accumulator, rounding the sum where the accumulator is bfloat16.
+void accumulate(torch::Tensor& acc, const torch::Tensor& partial, Accumulator accumulator) {
+  acc.add_(partial);
+  if (accumulator == Accumulator::Bfloat16) acc.copy_(round_bf16(acc));
+}
+
+}  // namespace
+
+PrecisionErrors ring_precision(int world, Accumulator accumulator, MergeForm form, const PrecisionSetup& setup) {
+  CP_CHECK(world >= 1, "world: must be at least 1, got ", world);
+  CP_CHECK(setup.chunk >= 1 && setup.heads >= 1 && setup.dim >= 1, "setup: chunk, heads and dim must be positive, got ",
+           setup.chunk, ", ", setup.heads, ", ", setup.dim);
+  const int64_t n = world, c = setup.chunk, s = n * c, last = n - 1;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(setup.dim));
+  torch::Generator gen = at::detail::createCPUGenerator(setup.seed);
+  auto input = [&] { return round_bf16(torch::randn({setup.heads, s, setup.dim}, gen)); };
+  const torch::Tensor q = input(), k = input(), v = input(), dout = input();
+
+  // The float64 reference, one query chunk at a time (a whole S × S matrix would not fit at
+  // N = 64): out and lse of every row, dq of the last chunk, dk and dv of the first.
+  const torch::Tensor qd = q.to(torch::kDouble), kd = k.to(torch::kDouble), vd = v.to(torch::kDouble),
+                      dod = dout.to(torch::kDouble);
+  torch::Tensor ref_out = torch::empty_like(qd), ref_lse = torch::empty({setup.heads, s}, torch::kDouble);
+  torch::Tensor ref_dq, ref_dk = torch::zeros({setup.heads, c, setup.dim}, torch::kDouble),
+                        ref_dv = torch::zeros_like(ref_dk);
+  for (int64_t i = 0; i < n; ++i) {
+    torch::Tensor sc = qd.narrow(1, i * c, c).matmul(kd.narrow(1, 0, (i + 1) * c).transpose(-1, -2)) * scale;
+    sc = sc.masked_fill(torch::ones({c, (i + 1) * c}, torch::kBool).triu(i * c + 1), -INFINITY);
+    const torch::Tensor lse = sc.logsumexp(-1), p = (sc - lse.unsqueeze(-1)).exp();
+    const torch::Tensor o = p.matmul(vd.narrow(1, 0, (i + 1) * c)), g = dod.narrow(1, i * c, c);
+    ref_out.narrow(1, i * c, c).copy_(o);
+    ref_lse.narrow(1, i * c, c).copy_(lse);
+    const torch::Tensor ds = p * (g.matmul(vd.narrow(1, 0, (i + 1) * c).transpose(-1, -2)) -
+                                  (g * o).sum(-1, true));
+    ref_dk += ds.narrow(2, 0, c).transpose(-1, -2).matmul(qd.narrow(1, i * c, c)) * scale;
+    ref_dv += p.narrow(2, 0, c).transpose(-1, -2).matmul(g);
+    if (i == last) ref_dq = ds.matmul(kd.narrow(1, 0, s)) * scale;
+  }
+
+  PrecisionErrors errors;
+  // Forward: the last rank merges its N blocks in ring order, its own first (step t brings the
+  // chunk of rank N − 1 − t). Each block's out is a bfloat16 kernel's; its lse stays float32.
+  torch::Tensor out = torch::zeros({setup.heads, c, setup.dim}), lse = torch::full({setup.heads, c}, -INFINITY);
+  for (int64_t j = last; j >= 0; --j) {
+    const torch::Tensor sc = block_scores(q, k, last, j, c, scale);
+    const torch::Tensor block_lse = sc.logsumexp(-1);
+    const torch::Tensor block_out = round_bf16((sc - block_lse.unsqueeze(-1)).exp().matmul(v.narrow(1, j * c, c)));
+    if (form == MergeForm::Exp)
+      merge_attention(out, lse, block_out, block_lse);
+    else
+      merge_attention_sigmoid(out, lse, block_out, block_lse);
+    if (accumulator == Accumulator::Bfloat16) out.copy_(round_bf16(out));
+  }
+  errors.out = relative_error(round_bf16(out), ref_out.narrow(1, last * c, c));
+  errors.lse = (lse.to(torch::kDouble) - ref_lse.narrow(1, last * c, c)).abs().mean().item<double>();
+
+  // Backward, from the exact forward as the kernels would return it (out in bfloat16, lse in
+  // float32), so that the errors below are the backward's own. P = exp(S − lse),
+  // dS = P ∘ (dout vᵀ − rowsum(dout ∘ out)); dq = dS k, dk = dSᵀ q, dv = Pᵀ dout (times the scale
+  // for dq and dk), each block's rounded to bfloat16 and summed in ring order.
+  const torch::Tensor fwd_out = round_bf16(ref_out), fwd_lse = ref_lse.to(torch::kFloat);
+  auto block_grads = [&](int64_t i, int64_t j) {  // query chunk i, key chunk j: P and dS
+    const torch::Tensor p = (block_scores(q, k, i, j, c, scale) - fwd_lse.narrow(1, i * c, c).unsqueeze(-1)).exp();
+    const torch::Tensor g = dout.narrow(1, i * c, c);
+    const torch::Tensor delta = (g * fwd_out.narrow(1, i * c, c)).sum(-1, true);
+    return std::make_pair(p, p * (g.matmul(v.narrow(1, j * c, c).transpose(-1, -2)) - delta));
+  };
+  torch::Tensor dq = torch::zeros({setup.heads, c, setup.dim});
+  for (int64_t j = last; j >= 0; --j)  // the last rank's dq: its own block first, as in the forward
+    accumulate(dq, round_bf16(block_grads(last, j).second.matmul(k.narrow(1, j * c, c)) * scale), accumulator);
+  // Chunk 0's dK/dV start on rank 0 and travel the ring: rank i adds its queries' share at step i.
+  torch::Tensor dk = torch::zeros({setup.heads, c, setup.dim}), dv = torch::zeros_like(dk);
+  for (int64_t i = 0; i < n; ++i) {
+    const auto [p, ds] = block_grads(i, 0);
+    accumulate(dk, round_bf16(ds.transpose(-1, -2).matmul(q.narrow(1, i * c, c)) * scale), accumulator);
+    accumulate(dv, round_bf16(p.transpose(-1, -2).matmul(dout.narrow(1, i * c, c))), accumulator);
+  }
+  errors.dq = relative_error(round_bf16(dq), ref_dq);
+  errors.dk = relative_error(round_bf16(dk), ref_dk);
+  errors.dv = relative_error(round_bf16(dv), ref_dv);
+  return errors;
+}
+
+}  // namespace cp
