@@ -266,8 +266,8 @@ AttnResult attention_block_forward(const torch::Tensor& q_in, const torch::Tenso
   return forward_cpu(q, k, v, k_pos, keys, softmax_scale, s);
 }
 
-void merge_attention(torch::Tensor& out_acc, torch::Tensor& lse_acc, const torch::Tensor& out_blk,
-                     const torch::Tensor& lse_blk) {
+void check_merge_inputs(const torch::Tensor& out_acc, const torch::Tensor& lse_acc, const torch::Tensor& out_blk,
+                        const torch::Tensor& lse_blk) {
   check_defined(out_acc, "out_acc", 1);
   CP_CHECK(out_acc.scalar_type() == torch::kFloat, "out_acc: the accumulator must be float32, got ", out_acc.dtype());
   check_defined(lse_acc, "lse_acc");
@@ -277,6 +277,11 @@ void merge_attention(torch::Tensor& out_acc, torch::Tensor& lse_acc, const torch
   check_merge_operand(lse_acc, lse_acc, "lse_acc", true);
   check_merge_operand(out_blk, out_acc, "out_blk", false);
   check_merge_operand(lse_blk, lse_acc, "lse_blk", true);
+}
+
+void merge_attention(torch::Tensor& out_acc, torch::Tensor& lse_acc, const torch::Tensor& out_blk,
+                     const torch::Tensor& lse_blk) {
+  check_merge_inputs(out_acc, lse_acc, out_blk, lse_blk);
   // BEGIN YOUR CODE task 1: the merge
   // TODO(lesson 03, task 1): merge (out_blk, lse_blk) into (out_acc, lse_acc), in place.
   // README, "Task 1 — `merge_attention` (`block_attention.cpp`)" and "The merge".
