@@ -3,6 +3,8 @@
 #                        (the skeleton check ignores your code between the YOUR CODE markers)
 #   make setup-cuda-cpu  build CUDA on the CPU (chipStar + PoCL) from source: kernels run without a GPU
 #   make demo            the course demo (solutions)
+#   make train           lesson 13: a small language model trained on N simulated ranks beside one device (solution)
+#   make precision       lesson 13: the bfloat16 ring's error against float64 as the ring grows (solution)
 #   make lesson N=01     build and run the learner tests of one lesson (then under mpirun, once they pass)
 #   make status          per-lesson table of the learner's progress
 #   make compare N=01    learner vs solution: results, errors, timings, diff of filled regions
@@ -32,7 +34,7 @@ LESSONS = $$(ls lessons | tr '\n' ' ')
 CMAKE_FLAGS ?=
 CMAKE_ARGS = -G Ninja -DCP_CUDA_ARCHS="$(CP_CUDA_ARCHS)" $(if $(CMAKE_PREFIX_PATH),-DCMAKE_PREFIX_PATH="$(CMAKE_PREFIX_PATH)") $(CMAKE_FLAGS)
 
-.PHONY: setup setup-cuda-cpu configure build test demo lesson status compare docs bench mutants skeletons check-skeletons gpu-check sanitize test-debian13 clean need-N
+.PHONY: setup setup-cuda-cpu configure build test demo train precision lesson status compare docs bench mutants skeletons check-skeletons gpu-check sanitize test-debian13 clean need-N
 
 setup:
 	@tools/setup
@@ -65,6 +67,16 @@ demo: setup $(BUILD)/build.ninja
 	$(BUILD)/bin/course_demo --world 4 --out $(BUILD)/demo
 	@echo
 	@echo "Lessons you have solved (make status for details): $$(tools/status --solved | sed 's/^$$/none yet/')"
+
+# Lesson 13's two runs (the solution's code; build/bin/lesson13_demo_learner runs yours): the
+# loss curves and the precision table, with their charts in build/lesson13/.
+train: setup $(BUILD)/build.ninja
+	cmake --build $(BUILD) -j $(JOBS) --target lesson13_demo_solution
+	$(BUILD)/bin/lesson13_demo_solution --run train --out $(BUILD)/lesson13
+
+precision: setup $(BUILD)/build.ninja
+	cmake --build $(BUILD) -j $(JOBS) --target lesson13_demo_solution
+	$(BUILD)/bin/lesson13_demo_solution --run precision --out $(BUILD)/lesson13
 
 need-N:
 	@[ -n "$(NN)" ] && ls -d lessons/$(NN)_* >/dev/null 2>&1 || { \

@@ -32,12 +32,13 @@ double tick_step(double top) {
   return 10 * magnitude;
 }
 
+const char* const kColours[] = {"#d95f02", "#1b9e77", "#7570b3", "#e7298a", "#66a61e", "#e6ab02"};
+constexpr int kColourCount = sizeof(kColours) / sizeof(kColours[0]);
+
 }  // namespace
 
 void write_bar_chart(const std::string& path, const std::string& title, const std::vector<std::string>& groups,
                      const std::vector<BarSeries>& series, const std::string& value_label) {
-  static const char* colours[] = {"#d95f02", "#1b9e77", "#7570b3", "#e7298a", "#66a61e", "#e6ab02"};
-  constexpr int kColours = sizeof(colours) / sizeof(colours[0]);
   double largest = 0;
   for (const BarSeries& s : series) {
     CP_CHECK(s.values.size() == groups.size(), "write_bar_chart: series '", s.name, "' has ", s.values.size(),
@@ -81,7 +82,7 @@ void write_bar_chart(const std::string& path, const std::string& title, const st
       const double v = series[s].values[g], h = plot_height * std::max(v, 0.0) / top;
       const int x = x0 + static_cast<int>(s) * bar;
       out << "<rect x=\"" << x << "\" y=\"" << base - h << "\" width=\"" << bar - 3 << "\" height=\"" << h
-          << "\" fill=\"" << colours[s % kColours] << "\"><title>" << series[s].name << ": " << v << "</title></rect>\n"
+          << "\" fill=\"" << kColours[s % kColourCount] << "\"><title>" << series[s].name << ": " << v << "</title></rect>\n"
           << "<text transform=\"translate(" << x + bar / 2 + 2 << " " << base - h - 4
           << ") rotate(-90)\" font-size=\"11\">" << short_number(v) << "</text>\n";
     }
@@ -91,8 +92,111 @@ void write_bar_chart(const std::string& path, const std::string& title, const st
   for (size_t s = 0; s < series.size(); ++s) {
     const int x = left + static_cast<int>(s % legend_columns) * legend_item;
     const int y = base + 32 + static_cast<int>(s / legend_columns) * 20;
-    out << "<rect x=\"" << x << "\" y=\"" << y << "\" width=\"12\" height=\"12\" fill=\"" << colours[s % kColours]
+    out << "<rect x=\"" << x << "\" y=\"" << y << "\" width=\"12\" height=\"12\" fill=\"" << kColours[s % kColourCount]
         << "\"/><text x=\"" << x + 16 << "\" y=\"" << y + 11 << "\">" << series[s].name << "</text>\n";
+  }
+  out << "</svg>\n";
+  CP_CHECK(out.good(), "cannot write the chart ", path);
+}
+
+namespace {
+
+/// Value → pixel along one axis of `length` pixels, for values in [lo, hi] (linear or log10).
+struct Axis {
+  AxisScale scale;
+  double lo, hi;
+  double length;
+  double map(double v) const {
+    if (scale == AxisScale::Log) return length * (std::log10(v) - std::log10(lo)) / (std::log10(hi) - std::log10(lo));
+    return length * (v - lo) / (hi - lo);
+  }
+};
+
+}  // namespace
+
+void write_line_chart(const std::string& path, const std::string& title, const std::vector<double>& xs,
+                      const std::vector<LineSeries>& series, const std::string& x_label, const std::string& y_label,
+                      AxisScale x_scale, AxisScale y_scale) {
+  CP_CHECK(!xs.empty(), "write_line_chart: no x values");
+  double y_lo = INFINITY, y_hi = -INFINITY;
+  for (const LineSeries& s : series) {
+    CP_CHECK(s.values.size() == xs.size(), "write_line_chart: series '", s.name, "' has ", s.values.size(),
+             " values for ", xs.size(), " x values");
+    for (double v : s.values) {
+      CP_CHECK(y_scale == AxisScale::Linear || v > 0, "write_line_chart: series '", s.name, "' has the value ", v,
+               " on a log axis");
+      y_lo = std::min(y_lo, v);
+      y_hi = std::max(y_hi, v);
+    }
+  }
+  const auto [x_min, x_max] = std::minmax_element(xs.begin(), xs.end());
+  double x_lo = *x_min, x_hi = *x_max > *x_min ? *x_max : *x_min + 1;
+  // The y axis ends on ticks: multiples of the tick step (linear) or powers of ten (log).
+  std::vector<double> y_ticks;
+  if (y_scale == AxisScale::Log) {
+    y_lo = std::pow(10.0, std::floor(std::log10(y_lo)));
+    y_hi = std::pow(10.0, std::ceil(std::log10(y_hi * (1 + 1e-12))));
+    for (double t = y_lo; t <= y_hi * (1 + 1e-9); t *= 10) y_ticks.push_back(t);
+  } else {
+    if (!(y_hi > y_lo)) y_hi = y_lo + 1;
+    const double step = tick_step(y_hi - y_lo);
+    y_lo = step * std::floor(y_lo / step);
+    y_hi = step * std::ceil(y_hi / step);
+    for (double t = y_lo; t <= y_hi + step * 1e-9; t += step) y_ticks.push_back(t);
+  }
+  std::vector<double> x_ticks;
+  if (x_scale == AxisScale::Log || xs.size() <= 10) {
+    x_ticks = xs;
+  } else {
+    const double step = tick_step(x_hi - x_lo);
+    for (double t = step * std::ceil(x_lo / step); t <= x_hi + step * 1e-9; t += step) x_ticks.push_back(t);
+  }
+
+  const int left = 80, plot_top = 50, plot_width = 560, plot_height = 300, base = plot_top + plot_height;
+  const int legend_rows = static_cast<int>(series.size() + 1) / 2;
+  const int width = left + plot_width + 30, height = base + 60 + 20 * legend_rows;
+  const Axis ax{x_scale, x_lo, x_hi, static_cast<double>(plot_width)};
+  const Axis ay{y_scale, y_lo, y_hi, static_cast<double>(plot_height)};
+  auto px = [&](double x) { return left + ax.map(x); };
+  auto py = [&](double y) { return base - ay.map(y); };
+
+  std::ofstream out(path);
+  CP_CHECK(out.good(), "cannot write the chart ", path);
+  out << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << width << "\" height=\"" << height
+      << "\" font-family=\"sans-serif\" font-size=\"12\">\n"
+      << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+      << "<text x=\"10\" y=\"22\" font-size=\"14\">" << title << "</text>\n";
+  for (double t : y_ticks) {
+    const double y = py(t);
+    out << "<line x1=\"" << left - 4 << "\" y1=\"" << y << "\" x2=\"" << left + plot_width << "\" y2=\"" << y
+        << "\" stroke=\"#dddddd\"/>\n<text x=\"" << left - 7 << "\" y=\"" << y + 4 << "\" text-anchor=\"end\">"
+        << short_number(t) << "</text>\n";
+  }
+  for (double t : x_ticks) {
+    const double x = px(t);
+    out << "<line x1=\"" << x << "\" y1=\"" << base << "\" x2=\"" << x << "\" y2=\"" << base + 4
+        << "\" stroke=\"black\"/>\n<text x=\"" << x << "\" y=\"" << base + 18 << "\" text-anchor=\"middle\">"
+        << short_number(t) << "</text>\n";
+  }
+  out << "<polyline points=\"" << left << "," << plot_top << " " << left << "," << base << " " << left + plot_width
+      << "," << base << "\" fill=\"none\" stroke=\"black\"/>\n"
+      << "<text x=\"" << left + plot_width / 2 << "\" y=\"" << base + 38 << "\" text-anchor=\"middle\">" << x_label
+      << "</text>\n<text transform=\"translate(16 " << plot_top + plot_height / 2
+      << ") rotate(-90)\" text-anchor=\"middle\">" << y_label << "</text>\n";
+  for (size_t s = 0; s < series.size(); ++s) {
+    const char* colour = kColours[s % kColourCount];
+    // Every other line dashed: lines that coincide (the point of some charts) stay visible.
+    out << "<polyline fill=\"none\" stroke=\"" << colour << "\" stroke-width=\"2\""
+        << (s % 2 ? " stroke-dasharray=\"7 4\"" : "") << " points=\"";
+    for (size_t i = 0; i < xs.size(); ++i) out << px(xs[i]) << "," << py(series[s].values[i]) << " ";
+    out << "\"/>\n";
+    if (xs.size() <= 40)
+      for (size_t i = 0; i < xs.size(); ++i)
+        out << "<circle cx=\"" << px(xs[i]) << "\" cy=\"" << py(series[s].values[i]) << "\" r=\"3\" fill=\"" << colour
+            << "\"><title>" << series[s].name << ": " << series[s].values[i] << "</title></circle>\n";
+    const int lx = left + static_cast<int>(s % 2) * (plot_width / 2), ly = base + 52 + static_cast<int>(s / 2) * 20;
+    out << "<rect x=\"" << lx << "\" y=\"" << ly << "\" width=\"12\" height=\"12\" fill=\"" << colour
+        << "\"/><text x=\"" << lx + 16 << "\" y=\"" << ly + 11 << "\">" << series[s].name << "</text>\n";
   }
   out << "</svg>\n";
   CP_CHECK(out.good(), "cannot write the chart ", path);

@@ -187,11 +187,20 @@ struct PrecisionErrors {
   double out = 0, lse = 0, dq = 0, dk = 0, dv = 0;
 };
 
+/// One way of keeping the ring's sums, and its errors.
+struct PrecisionResult {
+  Accumulator accumulator;
+  MergeForm form;
+  PrecisionErrors errors;
+};
+
 /// The ring of N ranks simulated on the CPU in one process: each block's out (forward) and
 /// dq/dk/dv (backward) are computed in float32 from the bfloat16 inputs and rounded to bfloat16,
 /// as a bfloat16 kernel returns them; lse stays float32. The partials are combined in ring order
-/// in `accumulator` (the forward by `form`; the backward's sums have no form) and the result
-/// rounded to bfloat16. The backward uses the float32-accumulated forward's out and lse.
-PrecisionErrors ring_precision(int world, Accumulator accumulator, MergeForm form, const PrecisionSetup& setup = {});
+/// in each accumulator (the forward in each form; the backward's sums have no form) and the result
+/// rounded to bfloat16. The backward starts from the exact forward rounded as a kernel returns
+/// it (out bfloat16, lse float32), so that its errors are its own. Returns the four combinations
+/// of Accumulator and MergeForm, against one float64 reference.
+std::vector<PrecisionResult> ring_precision(int world, const PrecisionSetup& setup = {});
 
 }  // namespace cp

@@ -53,7 +53,7 @@ torch::Tensor block_scores(const torch::Tensor& q, const torch::Tensor& k, int64
   return s;
 }
 
-/// Adds a bfloat16 partial into the accumulator, rounding the sum where the accumulator is bfloat16.
+/// Adds a partial result into the accumulator, rounding the sum where the accumulator is bfloat16.
 void accumulate(torch::Tensor& acc, const torch::Tensor& partial, Accumulator accumulator) {
   acc.add_(partial);
   if (accumulator == Accumulator::Bfloat16) acc.copy_(round_bf16(acc));
@@ -61,7 +61,7 @@ void accumulate(torch::Tensor& acc, const torch::Tensor& partial, Accumulator ac
 
 }  // namespace
 
-PrecisionErrors ring_precision(int world, Accumulator accumulator, MergeForm form, const PrecisionSetup& setup) {
+std::vector<PrecisionResult> ring_precision(int world, const PrecisionSetup& setup) {
   CP_CHECK(world >= 1, "world: must be at least 1, got ", world);
   CP_CHECK(setup.chunk >= 1 && setup.heads >= 1 && setup.dim >= 1, "setup: chunk, heads and dim must be positive, got ",
            setup.chunk, ", ", setup.heads, ", ", setup.dim);
@@ -92,27 +92,10 @@ PrecisionErrors ring_precision(int world, Accumulator accumulator, MergeForm for
     if (i == last) ref_dq = ds.matmul(kd.narrow(1, 0, s)) * scale;
   }
 
-  PrecisionErrors errors;
-  // Forward: the last rank merges its N blocks in ring order, its own first (step t brings the
-  // chunk of rank N − 1 − t). Each block's out is a bfloat16 kernel's; its lse stays float32.
-  torch::Tensor out = torch::zeros({setup.heads, c, setup.dim}), lse = torch::full({setup.heads, c}, -INFINITY);
-  for (int64_t j = last; j >= 0; --j) {
-    const torch::Tensor sc = block_scores(q, k, last, j, c, scale);
-    const torch::Tensor block_lse = sc.logsumexp(-1);
-    const torch::Tensor block_out = round_bf16((sc - block_lse.unsqueeze(-1)).exp().matmul(v.narrow(1, j * c, c)));
-    if (form == MergeForm::Exp)
-      merge_attention(out, lse, block_out, block_lse);
-    else
-      merge_attention_sigmoid(out, lse, block_out, block_lse);
-    if (accumulator == Accumulator::Bfloat16) out.copy_(round_bf16(out));
-  }
-  errors.out = relative_error(round_bf16(out), ref_out.narrow(1, last * c, c));
-  errors.lse = (lse.to(torch::kDouble) - ref_lse.narrow(1, last * c, c)).abs().mean().item<double>();
-
   // Backward, from the exact forward as the kernels would return it (out in bfloat16, lse in
   // float32), so that the errors below are the backward's own. P = exp(S − lse),
   // dS = P ∘ (dout vᵀ − rowsum(dout ∘ out)); dq = dS k, dk = dSᵀ q, dv = Pᵀ dout (times the scale
-  // for dq and dk), each block's rounded to bfloat16 and summed in ring order.
+  // for dq and dk).
   const torch::Tensor fwd_out = round_bf16(ref_out), fwd_lse = ref_lse.to(torch::kFloat);
   auto block_grads = [&](int64_t i, int64_t j) {  // query chunk i, key chunk j: P and dS
     const torch::Tensor p = (block_scores(q, k, i, j, c, scale) - fwd_lse.narrow(1, i * c, c).unsqueeze(-1)).exp();
@@ -120,20 +103,50 @@ PrecisionErrors ring_precision(int world, Accumulator accumulator, MergeForm for
     const torch::Tensor delta = (g * fwd_out.narrow(1, i * c, c)).sum(-1, true);
     return std::make_pair(p, p * (g.matmul(v.narrow(1, j * c, c).transpose(-1, -2)) - delta));
   };
-  torch::Tensor dq = torch::zeros({setup.heads, c, setup.dim});
-  for (int64_t j = last; j >= 0; --j)  // the last rank's dq: its own block first, as in the forward
-    accumulate(dq, round_bf16(block_grads(last, j).second.matmul(k.narrow(1, j * c, c)) * scale), accumulator);
-  // Chunk 0's dK/dV start on rank 0 and travel the ring: rank i adds its queries' share at step i.
-  torch::Tensor dk = torch::zeros({setup.heads, c, setup.dim}), dv = torch::zeros_like(dk);
+  // Every block's partial result as a bfloat16 kernel returns it, computed once for all the
+  // accumulators. The last rank's blocks in ring order, its own first (step t brings the chunk of
+  // rank N − 1 − t): out and lse (forward), dq (backward). Chunk 0's dK/dV start on rank 0 and
+  // travel the ring: rank i adds its queries' share at step i.
+  std::vector<torch::Tensor> block_out, block_lse, block_dq, block_dk, block_dv;
+  for (int64_t j = last; j >= 0; --j) {
+    const torch::Tensor sc = block_scores(q, k, last, j, c, scale);
+    block_lse.push_back(sc.logsumexp(-1));
+    block_out.push_back(round_bf16((sc - block_lse.back().unsqueeze(-1)).exp().matmul(v.narrow(1, j * c, c))));
+    block_dq.push_back(round_bf16(block_grads(last, j).second.matmul(k.narrow(1, j * c, c)) * scale));
+  }
   for (int64_t i = 0; i < n; ++i) {
     const auto [p, ds] = block_grads(i, 0);
-    accumulate(dk, round_bf16(ds.transpose(-1, -2).matmul(q.narrow(1, i * c, c)) * scale), accumulator);
-    accumulate(dv, round_bf16(p.transpose(-1, -2).matmul(dout.narrow(1, i * c, c))), accumulator);
+    block_dk.push_back(round_bf16(ds.transpose(-1, -2).matmul(q.narrow(1, i * c, c)) * scale));
+    block_dv.push_back(round_bf16(p.transpose(-1, -2).matmul(dout.narrow(1, i * c, c))));
   }
-  errors.dq = relative_error(round_bf16(dq), ref_dq);
-  errors.dk = relative_error(round_bf16(dk), ref_dk);
-  errors.dv = relative_error(round_bf16(dv), ref_dv);
-  return errors;
+  auto sum = [&](const std::vector<torch::Tensor>& partials, Accumulator accumulator) {
+    torch::Tensor acc = torch::zeros_like(partials[0]);
+    for (const torch::Tensor& partial : partials) accumulate(acc, partial, accumulator);
+    return round_bf16(acc);
+  };
+
+  std::vector<PrecisionResult> results;
+  for (Accumulator accumulator : {Accumulator::Bfloat16, Accumulator::Float32}) {
+    PrecisionErrors backward;  // the backward's sums have no form
+    backward.dq = relative_error(sum(block_dq, accumulator), ref_dq);
+    backward.dk = relative_error(sum(block_dk, accumulator), ref_dk);
+    backward.dv = relative_error(sum(block_dv, accumulator), ref_dv);
+    for (MergeForm form : {MergeForm::Exp, MergeForm::Sigmoid}) {
+      torch::Tensor out = torch::zeros({setup.heads, c, setup.dim}), lse = torch::full({setup.heads, c}, -INFINITY);
+      for (size_t b = 0; b < block_out.size(); ++b) {
+        if (form == MergeForm::Exp)
+          merge_attention(out, lse, block_out[b], block_lse[b]);
+        else
+          merge_attention_sigmoid(out, lse, block_out[b], block_lse[b]);
+        if (accumulator == Accumulator::Bfloat16) out.copy_(round_bf16(out));
+      }
+      PrecisionErrors errors = backward;
+      errors.out = relative_error(round_bf16(out), ref_out.narrow(1, last * c, c));
+      errors.lse = (lse.to(torch::kDouble) - ref_lse.narrow(1, last * c, c)).abs().mean().item<double>();
+      results.push_back({accumulator, form, errors});
+    }
+  }
+  return results;
 }
 
 }  // namespace cp
