@@ -155,6 +155,21 @@ struct TrainingCase {
 std::vector<TrainingCase> training_cases(int world) {
   std::vector<TrainingCase> cases;
   for (const Strategy& s : all_strategies()) cases.push_back({s, 4, 2});
+  // The stripe layout (lesson 07), which no strategy of lesson 09 uses: the ring on its schedule.
+  cases.push_back({ring_family_strategy(
+                       "stripe ring", TokenLayout::Stripe,
+                       [](Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                          RingOptions options) {
+                         options.schedule = stripe_schedule();
+                         return ring_attention_forward(comm, q, k, v, options);
+                       },
+                       [](Comm& comm, const torch::Tensor& dout, const torch::Tensor& q, const torch::Tensor& k,
+                          const torch::Tensor& v, const torch::Tensor& out, const torch::Tensor& lse,
+                          RingOptions options) {
+                         options.schedule = stripe_schedule();
+                         return ring_attention_backward(comm, dout, q, k, v, out, lse, options);
+                       }),
+                   4, 2});
   cases.push_back({ulysses_strategy(), 2 * world, 1});
   cases.push_back({hybrid_strategy(default_hybrid_mesh(world, 2 * world, 1)), 2 * world, 1});
   SequenceMask window;
@@ -245,6 +260,15 @@ CP_TEST(Lesson13, Task1_BadInputGivesClearErrors) {
 
 // ── Task 2: tokens, positions and labels ────────────────────────────────────────────────────
 
+/// The values of an int64 1-D tensor on one line ("0, 1, 6, 7"; "undefined").
+std::string list(const torch::Tensor& t) {
+  if (!t.defined()) return "undefined";
+  std::string s;
+  const torch::Tensor flat = t.reshape({-1}).to(torch::kCPU, torch::kLong);
+  for (int64_t i = 0; i < flat.numel(); ++i) s += (i ? ", " : "") + std::to_string(flat[i].item<int64_t>());
+  return s;
+}
+
 CP_TEST(Lesson13, Task2_LabelsAreMadeBeforeSharding) {
   const int64_t s = 48, pad = 0;
   torch::Generator gen = at::detail::createCPUGenerator(134);
@@ -257,10 +281,16 @@ CP_TEST(Lesson13, Task2_LabelsAreMadeBeforeSharding) {
         const std::string what = to_string(layout) + ", rank " + std::to_string(r) + " of " + std::to_string(world);
         const TokenShard shard = shard_batch(tokens, layout, world, r, pad);
         const torch::Tensor expected_positions = layout_positions(layout, s, world, r);
-        ASSERT_TRUE(shard.positions.defined() && shard.positions.equal(expected_positions))
-            << "positions, " << what << ": expected the global positions " << expected_positions
-            << " (the layout's), got " << (shard.positions.defined() ? shard.positions : torch::Tensor());
-        ASSERT_TRUE(shard.tokens.equal(tokens.index_select(1, expected_positions))) << "tokens, " << what;
+        if (!shard.positions.defined() || !shard.positions.equal(expected_positions)) {
+          ADD_FAILURE() << "positions, " << what << ": expected the tokens' positions in the whole sequence, "
+                        << list(expected_positions) << " (layout_positions), got " << list(shard.positions)
+                        << ". Rotary embeddings need the global positions: local ones give another model.";
+          return;
+        }
+        if (!shard.tokens.equal(tokens.index_select(1, expected_positions))) {
+          ADD_FAILURE() << "tokens, " << what << ": expected the tokens at positions " << list(expected_positions);
+          return;
+        }
         const torch::Tensor expected = labels.index_select(1, expected_positions);
         if (!shard.labels.equal(expected)) {
           // The classic mistake: labels shifted inside the shard. Name the first wrong token.
@@ -351,8 +381,9 @@ CP_TEST(Lesson13, Task3_BadInputGivesClearErrors) {
 // ── Task 4: training ────────────────────────────────────────────────────────────────────────
 
 CP_TEST(Lesson13, Task4_TrainingOnNRanksEqualsOneDevice) {
-  // Three AdamW steps in float64 on every strategy of the course (and lesson 12's window), on
-  // every world, against the whole model trained on one device: losses, gradients, weights.
+  // Three AdamW steps in float64 on every strategy of the course (and the stripe layout, and
+  // lesson 12's window), on every world, against the whole model trained on one device: losses,
+  // gradients, weights.
   for_each_world([](Comm& comm) {
     for (const TrainingCase& c : training_cases(comm.size()))
       expect_training_matches_one_device(comm, c, torch::kDouble, 3, 137);

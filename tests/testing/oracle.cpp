@@ -90,7 +90,8 @@ std::string constant_factor_hint(const double* a, const double* e, int64_t flat,
   std::ostringstream out;
   out << "every value of this row is " << num(hi, 4) << " × the expected one: right up to one factor per row, "
       << "so the row's normaliser is " << (hi < 1 ? "too large" : "too small")
-      << " (in a softmax: l; is l rescaled when the maximum changes?)";
+      << " (a softmax: is l rescaled when the maximum changes? a mean or a gradient averaged over ranks: is "
+      << "the count or the factor the right one?)";
   return out.str();
 }
 }  // namespace
