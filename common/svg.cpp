@@ -32,6 +32,22 @@ double tick_step(double top) {
   return 10 * magnitude;
 }
 
+/// A chart's file: the svg element of width × height pixels on white, and its title.
+std::ofstream open_chart(const std::string& path, int width, int height, const std::string& title) {
+  std::ofstream out(path);
+  CP_CHECK(out.good(), "cannot write the chart ", path);
+  out << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << width << "\" height=\"" << height
+      << "\" font-family=\"sans-serif\" font-size=\"12\">\n"
+      << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+      << "<text x=\"10\" y=\"22\" font-size=\"14\">" << title << "</text>\n";
+  return out;
+}
+
+void close_chart(std::ofstream& out, const std::string& path) {
+  out << "</svg>\n";
+  CP_CHECK(out.good(), "cannot write the chart ", path);
+}
+
 const char* const kColours[] = {"#d95f02", "#1b9e77", "#7570b3", "#e7298a", "#66a61e", "#e6ab02"};
 constexpr int kColourCount = sizeof(kColours) / sizeof(kColours[0]);
 
@@ -57,12 +73,7 @@ void write_bar_chart(const std::string& path, const std::string& title, const st
   const int width = std::max(left + plot_width + 20, 20 + 8 * static_cast<int>(title.size()));
   const int height = base + 40 + 20 * legend_rows;
 
-  std::ofstream out(path);
-  CP_CHECK(out.good(), "cannot write the chart ", path);
-  out << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << width << "\" height=\"" << height
-      << "\" font-family=\"sans-serif\" font-size=\"12\">\n"
-      << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
-      << "<text x=\"10\" y=\"22\" font-size=\"14\">" << title << "</text>\n";
+  std::ofstream out = open_chart(path, width, height, title);
   // The value axis: a line, a labelled tick with a faint grid line every `step`, and its label.
   out << "<line x1=\"" << left << "\" y1=\"" << plot_top << "\" x2=\"" << left << "\" y2=\"" << base
       << "\" stroke=\"black\"/>\n";
@@ -95,8 +106,7 @@ void write_bar_chart(const std::string& path, const std::string& title, const st
     out << "<rect x=\"" << x << "\" y=\"" << y << "\" width=\"12\" height=\"12\" fill=\"" << kColours[s % kColourCount]
         << "\"/><text x=\"" << x + 16 << "\" y=\"" << y + 11 << "\">" << series[s].name << "</text>\n";
   }
-  out << "</svg>\n";
-  CP_CHECK(out.good(), "cannot write the chart ", path);
+  close_chart(out, path);
 }
 
 namespace {
@@ -160,12 +170,7 @@ void write_line_chart(const std::string& path, const std::string& title, const s
   auto px = [&](double x) { return left + ax.map(x); };
   auto py = [&](double y) { return base - ay.map(y); };
 
-  std::ofstream out(path);
-  CP_CHECK(out.good(), "cannot write the chart ", path);
-  out << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << width << "\" height=\"" << height
-      << "\" font-family=\"sans-serif\" font-size=\"12\">\n"
-      << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
-      << "<text x=\"10\" y=\"22\" font-size=\"14\">" << title << "</text>\n";
+  std::ofstream out = open_chart(path, width, height, title);
   for (double t : y_ticks) {
     const double y = py(t);
     out << "<line x1=\"" << left - 4 << "\" y1=\"" << y << "\" x2=\"" << left + plot_width << "\" y2=\"" << y
@@ -198,8 +203,7 @@ void write_line_chart(const std::string& path, const std::string& title, const s
     out << "<rect x=\"" << lx << "\" y=\"" << ly << "\" width=\"12\" height=\"12\" fill=\"" << colour
         << "\"/><text x=\"" << lx + 16 << "\" y=\"" << ly + 11 << "\">" << series[s].name << "</text>\n";
   }
-  out << "</svg>\n";
-  CP_CHECK(out.good(), "cannot write the chart ", path);
+  close_chart(out, path);
 }
 
 }  // namespace cp

@@ -89,8 +89,8 @@ TORCH_MODULE(DecoderBlock);
 
 /// The language model: embed → blocks → norm → lm_head (untied). Parameters are replicated on
 /// every rank; the sequence is sharded as layout_of(options.strategy) says. Parameter names:
-/// embed.weight, blocks.<i>.{attn_norm,mlp_norm}.weight, blocks.<i>.{q,k,v,o}_proj.weight,
-/// blocks.<i>.{gate,up,down}.weight, norm.weight, lm_head.weight.
+/// `embed.weight`, `blocks.N.{attn_norm,mlp_norm}.weight`, `blocks.N.{q,k,v,o}_proj.weight`,
+/// `blocks.N.{gate,up,down}.weight`, `norm.weight`, `lm_head.weight` (N: the block's index).
 class TinyLMImpl : public torch::nn::Module {
  public:
   /// `comm` must outlive the model. A cp::Error names a bad option.
