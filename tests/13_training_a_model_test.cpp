@@ -292,15 +292,26 @@ CP_TEST(Lesson13, Task2_LabelsAreMadeBeforeSharding) {
           return;
         }
         const torch::Tensor expected = labels.index_select(1, expected_positions);
-        if (!shard.labels.equal(expected)) {
-          // The classic mistake: labels shifted inside the shard. Name the first wrong token.
-          const int64_t i = (shard.labels != expected).nonzero()[0][1].item<int64_t>();
-          const int64_t p = expected_positions[i].item<int64_t>();
-          ADD_FAILURE() << "labels, " << what << ": the token at position " << p << " must be labelled with the token at "
-                        << p + 1 << " of the whole sequence (" << expected[0][i].item<int64_t>() << " in sequence 0), got "
-                        << shard.labels[0][i].item<int64_t>()
-                        << ". Shift the whole sequence first, then shard: the next token of a rank's last token lives on "
-                           "another rank.";
+        if (!shard.labels.defined() || shard.labels.sizes() != expected.sizes()) {
+          ADD_FAILURE() << "labels, " << what << ": expected int64 " << expected.sizes() << ", got "
+                        << (shard.labels.defined() ? shard.labels.sizes() : torch::IntArrayRef{});
+          return;
+        }
+        if (!shard.labels.equal(expected)) {  // name the first wrong label, and its likely cause
+          const torch::Tensor wrong = (shard.labels != expected).nonzero()[0];
+          const int64_t b = wrong[0].item<int64_t>(), i = wrong[1].item<int64_t>();
+          const int64_t p = expected_positions[i].item<int64_t>(), want = expected[b][i].item<int64_t>();
+          const bool before_padding = p + 1 < s && tokens[b][p + 1].item<int64_t>() == pad;
+          const bool next_is_here = i + 1 < expected_positions.size(0) && expected_positions[i + 1].item<int64_t>() == p + 1;
+          ADD_FAILURE() << "labels, " << what << ": the token at position " << p << " of sequence " << b << " must be "
+                        << "labelled " << want << ", got " << shard.labels[b][i].item<int64_t>() << ". "
+                        << (p + 1 == s ? "It is the last token of the sequence: nothing follows it (kIgnoreLabel)."
+                            : before_padding
+                                ? "Padding follows it, and padding is never predicted (kIgnoreLabel)."
+                                : "Its label is the token at position " + std::to_string(p + 1) +
+                                      " of the whole sequence" +
+                                      (next_is_here ? "." : ", which is not next to it in this rank's shard: shift "
+                                                            "the whole sequence first, then shard."));
           return;
         }
       }
