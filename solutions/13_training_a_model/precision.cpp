@@ -53,10 +53,19 @@ torch::Tensor block_scores(const torch::Tensor& q, const torch::Tensor& k, int64
   return s;
 }
 
-/// Adds a partial result into the accumulator, rounding the sum where the accumulator is bfloat16.
-void accumulate(torch::Tensor& acc, const torch::Tensor& partial, Accumulator accumulator) {
-  acc.add_(partial);
+/// Keeps a running result as `accumulator` does after each update: rounded to bfloat16, or as is.
+void store(torch::Tensor& acc, Accumulator accumulator) {
   if (accumulator == Accumulator::Bfloat16) acc.copy_(round_bf16(acc));
+}
+
+/// The partials added in order in `accumulator`, rounded to bfloat16 at the end.
+torch::Tensor sum_in(const std::vector<torch::Tensor>& partials, Accumulator accumulator) {
+  torch::Tensor acc = torch::zeros_like(partials[0]);
+  for (const torch::Tensor& partial : partials) {
+    acc.add_(partial);
+    store(acc, accumulator);
+  }
+  return round_bf16(acc);
 }
 
 }  // namespace
@@ -119,18 +128,13 @@ std::vector<PrecisionResult> ring_precision(int world, const PrecisionSetup& set
     block_dk.push_back(round_bf16(ds.transpose(-1, -2).matmul(q.narrow(1, i * c, c)) * scale));
     block_dv.push_back(round_bf16(p.transpose(-1, -2).matmul(dout.narrow(1, i * c, c))));
   }
-  auto sum = [&](const std::vector<torch::Tensor>& partials, Accumulator accumulator) {
-    torch::Tensor acc = torch::zeros_like(partials[0]);
-    for (const torch::Tensor& partial : partials) accumulate(acc, partial, accumulator);
-    return round_bf16(acc);
-  };
 
   std::vector<PrecisionResult> results;
   for (Accumulator accumulator : {Accumulator::Bfloat16, Accumulator::Float32}) {
     PrecisionErrors backward;  // the backward's sums have no form
-    backward.dq = relative_error(sum(block_dq, accumulator), ref_dq);
-    backward.dk = relative_error(sum(block_dk, accumulator), ref_dk);
-    backward.dv = relative_error(sum(block_dv, accumulator), ref_dv);
+    backward.dq = relative_error(sum_in(block_dq, accumulator), ref_dq);
+    backward.dk = relative_error(sum_in(block_dk, accumulator), ref_dk);
+    backward.dv = relative_error(sum_in(block_dv, accumulator), ref_dv);
     for (MergeForm form : {MergeForm::Exp, MergeForm::Sigmoid}) {
       torch::Tensor out = torch::zeros({setup.heads, c, setup.dim}), lse = torch::full({setup.heads, c}, -INFINITY);
       for (size_t b = 0; b < block_out.size(); ++b) {
@@ -138,7 +142,7 @@ std::vector<PrecisionResult> ring_precision(int world, const PrecisionSetup& set
           merge_attention(out, lse, block_out[b], block_lse[b]);
         else
           merge_attention_sigmoid(out, lse, block_out[b], block_lse[b]);
-        if (accumulator == Accumulator::Bfloat16) out.copy_(round_bf16(out));
+        store(out, accumulator);
       }
       PrecisionErrors errors = backward;
       errors.out = relative_error(round_bf16(out), ref_out.narrow(1, last * c, c));
