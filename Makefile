@@ -5,6 +5,7 @@
 #   make demo            the course demo (solutions)
 #   make train           lesson 13: a small language model trained on N simulated ranks beside one device (solution)
 #   make precision       lesson 13: the bfloat16 ring's error against float64 as the ring grows (solution)
+#   make plan            lesson 14: cp_plan, every strategy and mesh predicted for a model on a cluster (solution)
 #   make lesson N=01     build and run the learner tests of one lesson (then under mpirun, once they pass)
 #   make status          per-lesson table of the learner's progress
 #   make compare N=01    learner vs solution: results, errors, timings, diff of filled regions
@@ -34,7 +35,7 @@ LESSONS = $$(ls lessons | tr '\n' ' ')
 CMAKE_FLAGS ?=
 CMAKE_ARGS = -G Ninja -DCP_CUDA_ARCHS="$(CP_CUDA_ARCHS)" $(if $(CMAKE_PREFIX_PATH),-DCMAKE_PREFIX_PATH="$(CMAKE_PREFIX_PATH)") $(CMAKE_FLAGS)
 
-.PHONY: setup setup-cuda-cpu configure build test demo train precision lesson status compare docs bench mutants skeletons check-skeletons gpu-check sanitize test-debian13 clean need-N
+.PHONY: setup setup-cuda-cpu configure build test demo train precision plan lesson status compare docs bench mutants skeletons check-skeletons gpu-check sanitize test-debian13 clean need-N
 
 setup:
 	@tools/setup
@@ -77,6 +78,12 @@ train: setup $(BUILD)/build.ninja
 precision: setup $(BUILD)/build.ninja
 	cmake --build $(BUILD) -j $(JOBS) --target lesson13_demo_solution
 	$(BUILD)/bin/lesson13_demo_solution --run precision --out $(BUILD)/lesson13
+
+# Lesson 14's planner (the solution's; build/bin/lesson14_demo_learner runs yours): the default
+# preset's comparison, the published table beside the predictions, the charts in build/lesson14/.
+plan: setup $(BUILD)/build.ninja
+	cmake --build $(BUILD) -j $(JOBS) --target lesson14_demo_solution
+	$(BUILD)/bin/cp_plan --out $(BUILD)/lesson14 $(ARGS)
 
 need-N:
 	@[ -n "$(NN)" ] && ls -d lessons/$(NN)_* >/dev/null 2>&1 || { \

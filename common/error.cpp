@@ -14,7 +14,7 @@ std::string locate(const std::string& message, const char* file, int line) {
 }  // namespace
 
 Error::Error(const std::string& message, const char* file, int line)
-    : std::runtime_error(locate(message, file, line)) {}
+    : std::runtime_error(locate(message, file, line)), message_(message) {}
 
 int this_rank() { return current_rank; }
 void set_this_rank(int rank) { current_rank = rank; }

@@ -14,7 +14,12 @@ namespace cp {
 class Error : public std::runtime_error {
  public:
   Error(const std::string& message, const char* file, int line);
-  explicit Error(const std::string& what_text) : std::runtime_error(what_text) {}
+  explicit Error(const std::string& what_text) : std::runtime_error(what_text), message_(what_text) {}
+  /// The message alone, without what()'s rank and file:line (for text that quotes it).
+  const std::string& message() const { return message_; }
+
+ private:
+  std::string message_;
 };
 
 /// Thrown by a learner stub that has not been written yet; the test harness reports it as

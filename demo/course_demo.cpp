@@ -21,7 +21,6 @@
 #include <mutex>
 #include <numeric>
 #include <optional>
-#include <regex>
 #include <thread>
 
 #include "common/cli.h"
@@ -117,8 +116,8 @@ std::vector<DemoStrategy> course_strategies(const Problem& p, int world, std::ve
   try {
     cp::ulysses_kv_heads(p.heads_q, p.heads_kv, world);  // the head rule, with its message
     strategies.push_back({cp::ulysses_strategy(), cp::HybridMesh{world, 1}});
-  } catch (const cp::Error& e) {  // what() is "[rank R] file:line: message": keep the message
-    skipped.push_back(std::regex_replace(e.what(), std::regex("^(\\[rank [0-9]+\\] )?[^ ]+:[0-9]+: "), ""));
+  } catch (const cp::Error& e) {
+    skipped.push_back(e.message());
   }
   const cp::HybridMesh mesh = cp::default_hybrid_mesh(world, p.heads_q, p.heads_kv);
   strategies.push_back({cp::hybrid_strategy(mesh), mesh});

@@ -155,21 +155,7 @@ struct TrainingCase {
 std::vector<TrainingCase> training_cases(int world) {
   std::vector<TrainingCase> cases;
   for (const Strategy& s : all_strategies()) cases.push_back({s, 4, 2});
-  // The stripe layout (lesson 07), which no strategy of lesson 09 uses: the ring on its schedule.
-  cases.push_back({ring_family_strategy(
-                       "stripe ring", TokenLayout::Stripe,
-                       [](Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                          RingOptions options) {
-                         options.schedule = stripe_schedule();
-                         return ring_attention_forward(comm, q, k, v, options);
-                       },
-                       [](Comm& comm, const torch::Tensor& dout, const torch::Tensor& q, const torch::Tensor& k,
-                          const torch::Tensor& v, const torch::Tensor& out, const torch::Tensor& lse,
-                          RingOptions options) {
-                         options.schedule = stripe_schedule();
-                         return ring_attention_backward(comm, dout, q, k, v, out, lse, options);
-                       }),
-                   4, 2});
+  cases.push_back({stripe_ring_strategy(), 4, 2});  // the stripe layout (lesson 07)
   cases.push_back({ulysses_strategy(), 2 * world, 1});
   cases.push_back({hybrid_strategy(default_hybrid_mesh(world, 2 * world, 1)), 2 * world, 1});
   SequenceMask window;

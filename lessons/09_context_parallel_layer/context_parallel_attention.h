@@ -74,6 +74,7 @@ Strategy ring_family_strategy(const std::string& name, TokenLayout layout, RingF
 
 Strategy ring_strategy();                   ///< lessons 04–05: contiguous shards, K/V around the ring
 Strategy zigzag_ring_strategy();            ///< lesson 07: zig-zag shards, balanced ring
+Strategy stripe_ring_strategy();            ///< lesson 07: stripe shards (token t on rank t mod N), the ring on their schedule
 Strategy llama3_strategy(Llama3Mode mode);  ///< lesson 08: zig-zag shards, all-gathered K/V (two kernels or fused)
 
 /// The strategies of lessons 04–08, in course order.

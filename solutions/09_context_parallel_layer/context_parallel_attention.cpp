@@ -75,6 +75,20 @@ Strategy zigzag_ring_strategy() {
                               zigzag_ring_attention_backward);
 }
 
+Strategy stripe_ring_strategy() {
+  return ring_family_strategy(
+      "stripe ring", TokenLayout::Stripe,
+      [](Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, RingOptions options) {
+        options.schedule = stripe_schedule();
+        return ring_attention_forward(comm, q, k, v, options);
+      },
+      [](Comm& comm, const torch::Tensor& dout, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+         const torch::Tensor& out, const torch::Tensor& lse, RingOptions options) {
+        options.schedule = stripe_schedule();
+        return ring_attention_backward(comm, dout, q, k, v, out, lse, options);
+      });
+}
+
 Strategy llama3_strategy(Llama3Mode mode) {
   auto forward = [mode](Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                         Trace* trace) {
