@@ -188,36 +188,110 @@ CP_TEST(Lesson14, Task3_PredictedCountsEqualWhatEveryStrategyMeasures) { for_eac
 
 // ── Task 3: memory against MemoryMeter ───────────────────────────────────────────────────────
 
-void expect_memory_near_meter(Comm& comm) {
+struct Peaks {
+  int64_t forward = 0, backward = 0;
+};
+
+/// MemoryMeter's peaks of one strategy's forward and of its backward on this rank, for `s`.
+Peaks measure(Comm& comm, const Strategy& strategy, const AttentionShape& s) {
   const int p = comm.size(), r = comm.rank();
-  AttentionShape s = counted_shape(p);
-  s.seq = 64 * p;  // chunks large enough that buffers, not bookkeeping, make the peak
-  s.head_dim = 32;
   const torch::Tensor q_full = testing::random_with_outliers({s.batch, s.heads_q, s.seq, s.head_dim}, 1404);
   const torch::Tensor kv_full = testing::random_with_outliers({s.batch, s.heads_kv, s.seq, s.head_dim}, 1405);
+  auto mine = [&](const torch::Tensor& t) { return shard_sequence(t, layout_of(strategy), p, r).contiguous(); };
+  const torch::Tensor q = mine(q_full), kv = mine(kv_full), dout = mine(q_full);
+  Peaks peaks;
+  StrategyForward f;
+  {
+    MemoryMeter meter;
+    f = strategy_forward(comm, q, kv, kv, strategy);
+    peaks.forward = meter.peak_bytes();
+  }
+  MemoryMeter meter;
+  strategy_backward(comm, dout, f.saved, strategy);
+  peaks.backward = meter.peak_bytes();
+  return peaks;
+}
+
+/// Chunks of 64 tokens: large enough that buffers, not bookkeeping, make the peaks.
+AttentionShape metered_shape(int p) {
+  AttentionShape s = counted_shape(p);
+  s.seq = 64 * p;
+  s.head_dim = 32;
+  return s;
+}
+
+void expect_model_below_meter(Comm& comm) {
+  const int p = comm.size();
+  const AttentionShape s = metered_shape(p);
   for (const Run& run : runs_of(p)) {
     const MemoryEstimate model = attention_memory(run.candidate, s);
-    auto mine = [&](const torch::Tensor& t) { return shard_sequence(t, layout_of(run.strategy), p, r).contiguous(); };
-    const torch::Tensor q = mine(q_full), kv = mine(kv_full), dout = mine(q_full);
-    int64_t forward_peak = 0, backward_peak = 0;
-    StrategyForward f;
-    {
-      MemoryMeter meter;
-      f = strategy_forward(comm, q, kv, kv, run.strategy);
-      forward_peak = meter.peak_bytes();
-    }
-    {
-      MemoryMeter meter;
-      strategy_backward(comm, dout, f.saved, run.strategy);
-      backward_peak = meter.peak_bytes();
-    }
-    std::printf("memory %-20s rank %d of %d: forward model %8lld meter %8lld  backward model %8lld meter %8lld\n",
-                to_string(run.candidate).c_str(), r, p, (long long)model.forward_bytes, (long long)forward_peak,
-                (long long)model.backward_bytes, (long long)backward_peak);
+    const Peaks peaks = measure(comm, run.strategy, s);
+    const std::string at = to_string(run.candidate) + ", rank " + std::to_string(comm.rank()) + " of " + std::to_string(p);
+    // The model counts buffers the code holds; the code holds more (temporaries): never 10% less.
+    EXPECT_GE(peaks.forward, 0.9 * model.forward_bytes) << at << ": MemoryMeter's forward peak against the model";
+    EXPECT_GE(peaks.backward, 0.9 * model.backward_bytes) << at << ": MemoryMeter's backward peak against the model";
   }
 }
 
-CP_TEST(Lesson14, Task3_MemoryIsNearWhatMemoryMeterMeasures) { for_each_world(expect_memory_near_meter); }
+CP_TEST(Lesson14, Task3_MemoryMeterMeasuresAtLeastTheModel) { for_each_world(expect_model_below_meter); }
+
+CP_TEST(Lesson14, Task3_MemoryGrowsWithTheGpusAsMeasured) {
+  // What decides between strategies is how memory grows: from 2 to 8 GPUs at 64 tokens and 8
+  // heads per GPU, the rings' and Ulysses' buffers stay, Llama 3's gathered K/V grows about
+  // fourfold. The model's growth against MemoryMeter's, within 25%: a model that misses how a
+  // strategy grows (Llama 3 without its gathered K/V, a ring that keeps every chunk) is off by 2.5x
+  // or more, while the transient copies it leaves out (an all-to-all's outgoing and incoming
+  // buffers, which make Ulysses' peak on 2 GPUs) move the growth by less than 20%.
+  auto shape_of = [](int p) {
+    AttentionShape s;
+    s.model = "test";
+    s.heads_q = 8;
+    s.heads_kv = 8;
+    s.head_dim = 32;
+    s.seq = 64 * p;
+    s.element_size = sizeof(float);
+    return s;
+  };
+  struct Grown {
+    Candidate small, large;
+    Strategy strategy;
+  };
+  const std::vector<Grown> cases = {
+      {{PlanStrategy::Ring, {1, 2}}, {PlanStrategy::Ring, {1, 8}}, ring_strategy()},
+      {{PlanStrategy::ZigZagRing, {1, 2}}, {PlanStrategy::ZigZagRing, {1, 8}}, zigzag_ring_strategy()},
+      {{PlanStrategy::StripeRing, {1, 2}}, {PlanStrategy::StripeRing, {1, 8}}, stripe_ring_strategy()},
+      {{PlanStrategy::Llama3, {1, 2}}, {PlanStrategy::Llama3, {1, 8}}, llama3_strategy(Llama3Mode::TwoKernels)},
+      {{PlanStrategy::Ulysses, {2, 1}}, {PlanStrategy::Ulysses, {8, 1}}, ulysses_strategy()},
+  };
+  for (const Grown& c : cases) {
+    const int small_p = c.small.mesh.ulysses * c.small.mesh.ring, large_p = c.large.mesh.ulysses * c.large.mesh.ring;
+    Peaks small, large;
+    run_local_world(small_p, [&](Comm& comm) {
+      const Peaks mine = measure(comm, c.strategy, shape_of(small_p));
+      if (comm.rank() == 0) small = mine;
+    });
+    run_local_world(large_p, [&](Comm& comm) {
+      const Peaks mine = measure(comm, c.strategy, shape_of(large_p));
+      if (comm.rank() == 0) large = mine;
+    });
+    const MemoryEstimate model_small = attention_memory(c.small, shape_of(small_p));
+    const MemoryEstimate model_large = attention_memory(c.large, shape_of(large_p));
+    const double meter_fwd = static_cast<double>(large.forward) / small.forward;
+    const double meter_bwd = static_cast<double>(large.backward) / small.backward;
+    const double model_fwd = static_cast<double>(model_large.forward_bytes) / model_small.forward_bytes;
+    const double model_bwd = static_cast<double>(model_large.backward_bytes) / model_small.backward_bytes;
+    const std::string at = to_string(c.small.strategy) + ", " + std::to_string(small_p) + " to " +
+                           std::to_string(large_p) + " GPUs";
+    EXPECT_NEAR(model_fwd / meter_fwd, 1.0, 0.25)
+        << at << ": forward memory grows " << model_fwd << "x in the model (" << model_small.forward_bytes << " to "
+        << model_large.forward_bytes << " bytes), " << meter_fwd << "x measured (" << small.forward << " to "
+        << large.forward << ")";
+    EXPECT_NEAR(model_bwd / meter_bwd, 1.0, 0.25)
+        << at << ": backward memory grows " << model_bwd << "x in the model (" << model_small.backward_bytes << " to "
+        << model_large.backward_bytes << " bytes), " << meter_bwd << "x measured (" << small.backward << " to "
+        << large.backward << ")";
+  }
+}
 
 // ── The predictions against published measurements ───────────────────────────────────────────
 
@@ -293,12 +367,15 @@ Prediction made_up(PlanStrategy strategy, HybridMesh mesh, double ms, int64_t sa
 }
 
 CP_TEST(Lesson14, Task4_RecommendsTheFastestThatRunsAndFits) {
-  const std::vector<Prediction> predictions = {
+  std::vector<Prediction> predictions = {
       made_up(PlanStrategy::Ring, {1, 4}, 3.0, 100),
       made_up(PlanStrategy::ZigZagRing, {1, 4}, 2.0, 100),
       made_up(PlanStrategy::Llama3, {1, 4}, 1.0, 1000),             // fastest, but too big
       made_up(PlanStrategy::Ulysses, {4, 1}, 0.5, 10, "Hq = 2 is not divisible by 4"),  // cannot run
-      made_up(PlanStrategy::Hybrid, {2, 2}, 2.5, 100)};
+      made_up(PlanStrategy::Hybrid, {2, 2}, 2.5, 100),
+      made_up(PlanStrategy::StripeRing, {1, 4}, 6.0, 100)};  // fastest forward, slowest in all
+  predictions.back().forward_ms = 0.1;
+  predictions.back().backward_ms = 5.9;
   // Two layers: 2 · saved + max(forward, backward) = 220 bytes for most, 2020 for Llama 3.
   const Recommendation r = recommend(predictions, 2, 1000);
   EXPECT_EQ(r.index, 1) << "the zig-zag ring: the fastest that can run and fits in 1000 bytes; reason: " << r.reason;
@@ -325,7 +402,7 @@ CP_TEST(Lesson14, Task1_BadInputGivesClearErrors) {
   ring_blocks(TokenLayout::ZigZag, 8, 2);  // counts once implemented
   const Cluster& node = cluster_preset("h100x8");
   testing::expect_errors({
-      {"S = 10 in zig-zag chunks of 4 ranks", [] { ring_blocks(TokenLayout::ZigZag, 10, 4); }, "not divisible by 8"},
+      {"S = 10 in zig-zag chunks of 4 ranks", [] { ring_blocks(TokenLayout::ZigZag, 10, 4); }, "not divisible by 2N = 8"},
       {"a ring of 0 ranks", [] { ring_blocks(TokenLayout::Contiguous, 8, 0); }, "world"},
       {"no such cluster", [] { cluster_preset("dgx-a100"); }, "no preset named 'dgx-a100'; the presets are h100x8"},
       {"no such model", [] { model_preset("gpt-2", 1024); }, "no preset named 'gpt-2'"},

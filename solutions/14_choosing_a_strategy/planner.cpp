@@ -169,37 +169,50 @@ MemoryEstimate attention_memory(const Candidate& candidate, const AttentionShape
   // BEGIN SOLUTION task 3: the memory model
   // STUB: // TODO(lesson 14, task 3): the buffers each strategy holds at its peak, forward and backward.
   // STUB: // README, "Task 3 — `attention_memory`".
-  // STUB: (void)e, (void)f32, (void)q, (void)kv, (void)lse;
+  // STUB: (void)e, (void)f32, (void)q, (void)kv, (void)lse, (void)p;
   // STUB: throw NotImplemented("lesson 14, task 3: attention_memory");
+  // A float32 result converted to the inputs' dtype: a copy, except when they are float32.
+  const int64_t cast = e == f32 ? 0 : e;
   switch (candidate.strategy) {
     case PlanStrategy::Ring:
     case PlanStrategy::ZigZagRing:
     case PlanStrategy::StripeRing:
-      // Forward: float32 out and lse accumulators, the K/V chunk arriving while one is in use, the
-      // output in the inputs' dtype. Backward: float32 dq, and the float32 dK/dV accumulators that
-      // travel with K/V (one in use, one arriving), with the K/V chunks.
-      m.forward_bytes = (q + lse) * f32 + 2 * 2 * kv * e + q * e;
-      m.backward_bytes = q * f32 + 2 * 2 * kv * f32 + 2 * 2 * kv * e + (q + 2 * kv) * e;
+      // Forward: float32 out and lse accumulators, two K/V buffers (one arriving while the other is
+      // in use), one block's out and lse, the output cast. Backward: float32 dq, two K/V buffers
+      // and two float32 dK/dV buffers (they travel together), one block's gradients, the casts.
+      m.forward_bytes = (q + lse) * f32 + 2 * 2 * kv * e + q * e + lse * f32 + q * cast;
+      m.backward_bytes = q * f32 + 2 * 2 * kv * (e + f32) + (q + 2 * kv) * (f32 + cast);
       break;
-    case PlanStrategy::Llama3:
-      // The whole sequence's K/V, gathered, in both passes; backward: its float32 gradient too.
-      m.forward_bytes = 2 * kv * p * e + (q + lse) * f32 + q * e;
-      m.backward_bytes = 2 * kv * p * e + 2 * kv * p * f32 + q * f32 + (q + 2 * kv) * e;
+    case PlanStrategy::Llama3: {
+      // The whole sequence's K/V, gathered in rank order and then put in document order: two
+      // copies while it is reordered, in both passes. Backward: a call's rows of it (a copy) and
+      // their float32 dK, dV (computed, then stacked: two copies), the whole float32 gradient
+      // (in document order, then in rank order for the reduce-scatter: two more), this GPU's
+      // share, and dq. Both: lesson 09's layer packs its inputs ([B, H, S/P, D] to lesson 08's
+      // varlen [T/P, H, D]: q, k, v forward; dout, q, k, v, out backward).
+      const int64_t gathered = 2 * kv * p;
+      m.forward_bytes = (q + 2 * kv) * e + 2 * gathered * e + q * e + lse * f32;
+      m.backward_bytes = (3 * q + 2 * kv) * e + 2 * gathered * e + 4 * gathered * f32 + 2 * kv * f32 + q * f32 +
+                         (q + 2 * kv) * cast;
       break;
+    }
     case PlanStrategy::Ulysses:
     case PlanStrategy::Hybrid: {
-      // Head-split q, k, v (K/V replicated when P_u > Hkv), out and lse: as many elements as the
-      // shards; the hybrid adds its ring's buffers over the group's S/P_r tokens of H/P_u heads.
+      // Head-split copies of q, k, v (K/V replicated when P_u > Hkv) and of out and lse on their
+      // way back: as many elements as the shards (none on a group of one GPU, where the split is
+      // the shard itself). The hybrid adds its ring's buffers, over the group's S/P_r tokens of
+      // H/P_u heads: as many elements as this GPU's share.
       std::string why;
       const int64_t kvh = kv_heads_per_gpu(shape, candidate.mesh.ulysses, why);
       CP_CHECK(kvh >= 0, "candidate: ", why);
       const int64_t kv_split = shape.batch * chunk * candidate.mesh.ulysses * kvh * shape.head_dim;
+      const int64_t split = candidate.mesh.ulysses > 1 ? 1 : 0;
       m.saved_bytes = (2 * q + 2 * kv_split) * e + lse * f32;
-      m.forward_bytes = (2 * q + 2 * kv_split) * e + (q + lse) * f32 + q * e;
-      m.backward_bytes = (q + 2 * kv_split) * (e + f32) + q * e + (q + 2 * kv) * e;
+      m.forward_bytes = split * (q + 2 * kv_split) * e + q * e + lse * f32 + split * (q * e + lse * f32);
+      m.backward_bytes = split * q * e + (q + 2 * kv_split) * (f32 + cast) + split * (q + 2 * kv_split) * e;
       if (candidate.mesh.ring > 1) {
-        m.forward_bytes += 2 * 2 * kv_split * e;
-        m.backward_bytes += 2 * 2 * kv_split * (f32 + e);
+        m.forward_bytes += (q + lse) * f32 + 2 * 2 * kv_split * e;
+        m.backward_bytes += q * f32 + 2 * 2 * kv_split * (e + f32);
       }
       break;
     }
