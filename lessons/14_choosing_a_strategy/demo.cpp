@@ -149,6 +149,7 @@ int main(int argc, char** argv) {
   return cp::run_main([&] {
     const cp::CommandLine cli(argc, argv, "cp_plan: which context-parallel strategy, on which mesh, for a model on a cluster.",
                               {{"--cluster", "h100x8", "h100x8, h800x8 or h100x32-ib"},
+                               {"--nodes", "", "nodes of the cluster (default: the preset's)"},
                                {"--model", "llama-3.1-8b", "llama-3.1-8b, llama-3.1-70b or llama-3.1-405b"},
                                {"--seq", "131072", "S: tokens of one sequence"},
                                {"--batch", "1", "sequences per step"},
@@ -156,7 +157,9 @@ int main(int argc, char** argv) {
                                {"--published", "yes", "yes: also the predictions beside ring-flash-attention's table"},
                                {"--out", "", "folder for the charts (none: no charts)"}});
     if (cli.help_requested()) return 0;
-    const cp::Cluster& cluster = cp::cluster_preset(cli.get("--cluster"));
+    cp::Cluster cluster = cp::cluster_preset(cli.get("--cluster"));
+    if (!cli.get("--nodes").empty()) cluster.nodes = cli.get_int("--nodes");
+    CP_CHECK(cluster.nodes >= 1, "--nodes: must be at least 1, got ", cluster.nodes);
     cp::AttentionShape shape = cp::model_preset(cli.get("--model"), std::stoll(cli.get("--seq")));
     shape.batch = cli.get_int("--batch");
     CP_CHECK(shape.seq > 0 && shape.batch > 0, "--seq and --batch: must be > 0, got ", shape.seq, " and ", shape.batch);
