@@ -105,6 +105,24 @@ CP_TEST(Lesson14, Task1_VisiblePairsAreWhatTheCausalMaskKeeps) {
   }
 }
 
+CP_TEST(Lesson14, Task1_BadInputGivesClearErrors) {
+  ring_blocks(TokenLayout::ZigZag, 8, 2);  // counts once implemented
+  const Cluster& node = cluster_preset("h100x8");
+  testing::expect_errors({
+      {"S = 10 in zig-zag chunks of 4 ranks", [] { ring_blocks(TokenLayout::ZigZag, 10, 4); }, "not divisible by 2N = 8"},
+      {"a ring of 0 ranks", [] { ring_blocks(TokenLayout::Contiguous, 8, 0); }, "world"},
+      {"no such cluster", [] { cluster_preset("dgx-a100"); }, "no preset named 'dgx-a100'; the presets are h100x8"},
+      {"no such model", [] { model_preset("gpt-2", 1024); }, "no preset named 'gpt-2'"},
+      {"a 2 x 2 mesh on 8 GPUs", [&] { predict({PlanStrategy::Hybrid, {2, 2}}, model_preset("llama-3.1-8b", 1024), node); },
+       "the mesh 2 x 2 has 4 GPUs"},
+      {"a link without bandwidth", [] { transfer_ms(100, 1, Link{0, 1}); }, "bandwidth must be > 0"},
+  });
+  EXPECT_NE(predict({PlanStrategy::ZigZagRing, {1, 8}}, model_preset("llama-3.1-8b", 1000), node).constraint.find(
+                "S = 1000 is not divisible by 16"),
+            std::string::npos)
+      << "a sequence the zig-zag chunks cannot split: named";
+}
+
 // ── Task 2: time with overlap ─────────────────────────────────────────────────────────────────
 
 CP_TEST(Lesson14, Task2_EachStepTakesTheLargerOfComputeAndTransfer) {
@@ -396,24 +414,6 @@ CP_TEST(Lesson14, Task4_RecommendsTheFastestThatRunsAndFits) {
   EXPECT_EQ(none.index, -1) << "nothing runs and fits";
   EXPECT_NE(none.reason.find("not divisible"), std::string::npos) << "the reason says why: " << none.reason;
   EXPECT_NE(none.reason.find("ring"), std::string::npos) << "for each: " << none.reason;
-}
-
-CP_TEST(Lesson14, Task1_BadInputGivesClearErrors) {
-  ring_blocks(TokenLayout::ZigZag, 8, 2);  // counts once implemented
-  const Cluster& node = cluster_preset("h100x8");
-  testing::expect_errors({
-      {"S = 10 in zig-zag chunks of 4 ranks", [] { ring_blocks(TokenLayout::ZigZag, 10, 4); }, "not divisible by 2N = 8"},
-      {"a ring of 0 ranks", [] { ring_blocks(TokenLayout::Contiguous, 8, 0); }, "world"},
-      {"no such cluster", [] { cluster_preset("dgx-a100"); }, "no preset named 'dgx-a100'; the presets are h100x8"},
-      {"no such model", [] { model_preset("gpt-2", 1024); }, "no preset named 'gpt-2'"},
-      {"a 2 x 2 mesh on 8 GPUs", [&] { predict({PlanStrategy::Hybrid, {2, 2}}, model_preset("llama-3.1-8b", 1024), node); },
-       "the mesh 2 x 2 has 4 GPUs"},
-      {"a link without bandwidth", [] { transfer_ms(100, 1, Link{0, 1}); }, "bandwidth must be > 0"},
-  });
-  EXPECT_NE(predict({PlanStrategy::ZigZagRing, {1, 8}}, model_preset("llama-3.1-8b", 1000), node).constraint.find(
-                "S = 1000 is not divisible by 16"),
-            std::string::npos)
-      << "a sequence the zig-zag chunks cannot split: named";
 }
 
 }  // namespace
