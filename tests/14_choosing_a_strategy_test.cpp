@@ -238,20 +238,27 @@ AttentionShape metered_shape(int p) {
   return s;
 }
 
-void expect_model_below_meter(Comm& comm) {
+void expect_memory_near_meter(Comm& comm) {
   const int p = comm.size();
   const AttentionShape s = metered_shape(p);
   for (const Run& run : runs_of(p)) {
     const MemoryEstimate model = attention_memory(run.candidate, s);
     const Peaks peaks = measure(comm, run.strategy, s);
     const std::string at = to_string(run.candidate) + ", rank " + std::to_string(comm.rank()) + " of " + std::to_string(p);
-    // The model counts buffers the code holds; the code holds more (temporaries): never 10% less.
+    // The model counts buffers the code holds; the code may hold more (temporaries): never 10% less.
     EXPECT_GE(peaks.forward, 0.9 * model.forward_bytes) << at << ": MemoryMeter's forward peak against the model";
     EXPECT_GE(peaks.backward, 0.9 * model.backward_bytes) << at << ": MemoryMeter's backward peak against the model";
+    // The rings' model counts every buffer of lessons 04 and 05, the merge's temporaries included:
+    // within 25% either way (the rest: lse-sized temporaries and the block's bookkeeping).
+    const PlanStrategy kind = run.candidate.strategy;
+    if (kind == PlanStrategy::Ring || kind == PlanStrategy::ZigZagRing || kind == PlanStrategy::StripeRing) {
+      EXPECT_LE(peaks.forward, 1.25 * model.forward_bytes) << at << ": MemoryMeter's forward peak against the model";
+      EXPECT_LE(peaks.backward, 1.25 * model.backward_bytes) << at << ": MemoryMeter's backward peak against the model";
+    }
   }
 }
 
-CP_TEST(Lesson14, Task3_MemoryMeterMeasuresAtLeastTheModel) { for_each_world(expect_model_below_meter); }
+CP_TEST(Lesson14, Task3_MemoryMeterMeasuresTheModel) { for_each_world(expect_memory_near_meter); }
 
 CP_TEST(Lesson14, Task3_MemoryGrowsWithTheGpusAsMeasured) {
   // What decides between strategies is how memory grows: from 2 to 8 GPUs at 64 tokens and 8

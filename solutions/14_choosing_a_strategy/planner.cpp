@@ -182,9 +182,10 @@ MemoryEstimate attention_memory(const Candidate& candidate, const AttentionShape
     case PlanStrategy::ZigZagRing:
     case PlanStrategy::StripeRing:
       // Forward: float32 out and lse accumulators, two K/V buffers (one arriving while the other is
-      // in use), one block's out and lse, the output cast. Backward: float32 dq, two K/V buffers
+      // in use), one block's out and lse, and lesson 03's merge, which computes the new out out of
+      // place (two weighted float32 terms and their sum). Backward: float32 dq, two K/V buffers
       // and two float32 dK/dV buffers (they travel together), one block's gradients, the casts.
-      m.forward_bytes = (q + lse) * f32 + 2 * 2 * kv * e + q * e + lse * f32 + q * cast;
+      m.forward_bytes = (q + lse) * f32 + 2 * 2 * kv * e + q * e + lse * f32 + 3 * q * f32;
       m.backward_bytes = q * f32 + 2 * 2 * kv * (e + f32) + (q + 2 * kv) * (f32 + cast);
       break;
     case PlanStrategy::Llama3: {
