@@ -170,22 +170,20 @@ bool one_node(const Cluster& c, int first, int stride, int size) {
   return first / c.gpus_per_node == (first + stride * (size - 1)) / c.gpus_per_node;
 }
 
-/// A ring collective (all-gather, reduce-scatter) in which each GPU sends `bytes` in `size` − 1
-/// messages to its neighbour: bound by the slowest hop, the NIC when the GPUs span nodes.
-double ring_collective_ms(int64_t bytes, int first, int stride, int size, const Cluster& c) {
+/// A ring collective (all-gather, reduce-scatter) among a group of `size` consecutive GPUs, in
+/// which each GPU sends `bytes` in `size` − 1 messages to its neighbour: bound by the slowest hop,
+/// the NIC when the group spans nodes.
+double ring_collective_ms(int64_t bytes, int size, const Cluster& c) {
   if (size <= 1) return 0;
-  return transfer_ms(bytes, size - 1, one_node(c, first, stride, size) ? c.intra : c.inter);
+  return transfer_ms(bytes, size - 1, one_node(c, 0, 1, size) ? c.intra : c.inter);
 }
 
-/// All-to-alls of `tensors` tensors in which each GPU sends `bytes` in all, evenly over the
-/// `size` − 1 others: the part for GPUs of other nodes goes over the NIC while the rest goes over
-/// NVLink, at the same time.
-double all_to_all_ms(int64_t bytes, int tensors, int first, int stride, int size, const Cluster& c) {
+/// All-to-alls of `tensors` tensors among a group of `size` consecutive GPUs, in which each GPU
+/// sends `bytes` in all, evenly over the others: the part for GPUs of other nodes goes over the
+/// NIC while the rest goes over NVLink, at the same time.
+double all_to_all_ms(int64_t bytes, int tensors, int size, const Cluster& c) {
   if (size <= 1) return 0;
-  int near_peers = 0;
-  for (int i = 0; i < size; ++i) near_peers += (first + i * stride) / c.gpus_per_node == first / c.gpus_per_node;
-  --near_peers;  // not itself
-  const int far_peers = size - 1 - near_peers;
+  const int near_peers = std::min(size, c.gpus_per_node) - 1, far_peers = size - 1 - near_peers;
   const double per_peer = static_cast<double>(bytes) / (size - 1);
   return std::max(transfer_ms(static_cast<int64_t>(per_peer * near_peers), tensors * near_peers, c.intra),
                   transfer_ms(static_cast<int64_t>(per_peer * far_peers), tensors * far_peers, c.inter));
@@ -308,8 +306,8 @@ Prediction predict(const Candidate& candidate, const AttentionShape& s, const Cl
       const int64_t busiest = *std::max_element(work.begin(), work.end());
       pred.imbalance = busiest / (std::accumulate(work.begin(), work.end(), 0.0) / p);
       const double visible = static_cast<double>(busiest) * s.batch * s.heads_q;
-      const double gather = ring_collective_ms((p - 1) * kv_shard * e, 0, 1, p, c);
-      const double scatter = ring_collective_ms((p - 1) * kv_shard * f32, 0, 1, p, c);
+      const double gather = ring_collective_ms((p - 1) * kv_shard * e, p, c);
+      const double scatter = ring_collective_ms((p - 1) * kv_shard * f32, p, c);
       pred.forward_ms = gather + compute_ms(visible, forward_flops(s), c.forward_causal_tflops) + 2 * c.launch_us / 1e3;
       pred.backward_ms = gather + compute_ms(visible, backward_flops(s), c.backward_causal_tflops) +
                          2 * c.launch_us / 1e3 + scatter;
@@ -323,11 +321,12 @@ Prediction predict(const Candidate& candidate, const AttentionShape& s, const Cl
       std::string why;
       const int64_t kv_heads = kv_heads_per_gpu(s, pu, why);
       const UlyssesVolume a2a = ulysses_volume(s.batch, s.heads_q, s.heads_kv, s.seq / pr, s.head_dim, pu, e);
-      const double a2a_ms = all_to_all_ms(a2a.forward_bytes, 5, 0, 1, pu, c) +
-                            all_to_all_ms(a2a.backward_bytes, 4, 0, 1, pu, c);
-      pred.exposed_ms += a2a_ms;
-      pred.forward_ms += all_to_all_ms(a2a.forward_bytes, 5, 0, 1, pu, c);
-      pred.backward_ms += all_to_all_ms(a2a.backward_bytes, 4, 0, 1, pu, c);
+      // Forward: q, k, v in, out and lse back; backward: dout in, dq, dk, dv back.
+      const double a2a_forward = all_to_all_ms(a2a.forward_bytes, 5, pu, c);
+      const double a2a_backward = all_to_all_ms(a2a.backward_bytes, 4, pu, c);
+      pred.forward_ms += a2a_forward;
+      pred.backward_ms += a2a_backward;
+      pred.exposed_ms += a2a_forward + a2a_backward;
       if (pr == 1) {  // attention over the whole sequence on H/P heads: one causal call per pass
         const double visible = static_cast<double>(s.seq) * (s.seq + 1) / 2 * s.batch * (s.heads_q / pu);
         pred.pairs = s.batch * s.seq * s.seq / pu;
