@@ -163,6 +163,13 @@ std::vector<Llama3Call> llama3_plan(const std::vector<int64_t>& cu, int world, i
   // END YOUR CODE
 }
 
+int64_t call_pairs(const Llama3Call& call) {
+  int64_t pairs = 0;
+  for (size_t i = 0; i + 1 < call.segments.cu_q.size(); ++i)
+    pairs += (call.segments.cu_q[i + 1] - call.segments.cu_q[i]) * (call.segments.cu_k[i + 1] - call.segments.cu_k[i]);
+  return pairs;
+}
+
 namespace {
 
 /// The packed positions of the rows of an all-gather (or of a reduce-scatter's input): rank 0's
@@ -205,12 +212,6 @@ std::vector<Llama3Call> plan_on(const std::vector<int64_t>& cu, int world, int r
   return calls;
 }
 
-int64_t call_pairs(const Llama3Call& call) {
-  int64_t pairs = 0;
-  for (size_t i = 0; i + 1 < call.segments.cu_q.size(); ++i)
-    pairs += (call.segments.cu_q[i + 1] - call.segments.cu_q[i]) * (call.segments.cu_k[i + 1] - call.segments.cu_k[i]);
-  return pairs;
-}
 
 /// Checks the local packed shards and cu_seqlens; returns cu_seqlens on the host.
 std::vector<int64_t> check_llama3_inputs(Comm& comm, const torch::Tensor& q, const torch::Tensor& k,

@@ -80,6 +80,10 @@ struct Llama3Call {
 /// Fused gives one. cu_seqlens as returned by check_cu_seqlens.
 std::vector<Llama3Call> llama3_plan(const std::vector<int64_t>& cu_seqlens, int world, int rank, Llama3Mode mode);
 
+/// The query × key pairs of one call, per head: each segment's rows times its keys (masked pairs
+/// included), what Llama3Stats::pairs adds up. Lesson 14's planner counts with it too.
+int64_t call_pairs(const Llama3Call& call);
+
 struct Llama3Options {
   std::optional<double> scale;  ///< default 1/sqrt(D)
   Trace* trace = nullptr;       ///< if set, the collective and each call are recorded in it

@@ -292,12 +292,14 @@ RingPasses ring_passes(TokenLayout layout, const AttentionShape& s, int ring, in
       const double k_elems = static_cast<double>(s.batch) * b.k_rows * kv_heads * s.head_dim;
       const double merge_fwd = step == 0 ? 0 : memory_ms(q_elems * (2 * f32 + e), c);
       const double merge_bwd = memory_ms((q_elems + 2 * k_elems) * 3 * f32, c);
-      fwd.compute_ms = std::max(fwd.compute_ms, compute_ms(work, forward_flops(s), b.masked ? c.forward_causal_tflops
-                                                                                             : c.forward_tflops) +
-                                                    c.launch_us / 1e3 + merge_fwd);
-      bwd.compute_ms = std::max(bwd.compute_ms, compute_ms(work, backward_flops(s), b.masked ? c.backward_causal_tflops
-                                                                                              : c.backward_tflops) +
-                                                    c.launch_us / 1e3 + merge_bwd);
+      // The block's kernel (the causal one when it has the mask), its call, its merge.
+      auto block_ms = [&](double flops, double tflops, double causal_tflops, double merge) {
+        return compute_ms(work, flops, b.masked ? causal_tflops : tflops) + c.launch_us / 1e3 + merge;
+      };
+      fwd.compute_ms = std::max(fwd.compute_ms, block_ms(forward_flops(s), c.forward_tflops,
+                                                         c.forward_causal_tflops, merge_fwd));
+      bwd.compute_ms = std::max(bwd.compute_ms, block_ms(backward_flops(s), c.backward_tflops,
+                                                         c.backward_causal_tflops, merge_bwd));
     }
     if (step + 1 < blocks.size()) {  // the next step's K and V (backward: and the dK, dV behind them)
       fwd.transfer_ms = transfer_ms(2 * kv_chunk * e, 2, link);
@@ -331,9 +333,7 @@ std::vector<int64_t> llama3_pairs(int64_t seq, int world) {
   std::vector<int64_t> pairs(world, 0);
   for (int rank = 0; rank < world; ++rank)
     for (const Llama3Call& call : llama3_plan({0, seq}, world, rank, Llama3Mode::TwoKernels))
-      for (size_t i = 0; i + 1 < call.segments.cu_q.size(); ++i)
-        pairs[rank] += (call.segments.cu_q[i + 1] - call.segments.cu_q[i]) *
-                       (call.segments.cu_k[i + 1] - call.segments.cu_k[i]);
+      pairs[rank] += call_pairs(call);
   return pairs;
 }
 
