@@ -16,6 +16,8 @@
 #                        CUDA on the CPU built there from ../shared/cuda-cpu/src, and lesson 03 on it
 #   make mutants N=04    (maintainers) apply each classic mistake of tests/mistakes/ to a scratch copy
 #                        of the solution: each must fail a test of its lesson, in one screen (N=all)
+#   make kernel-stats    (maintainers) per solution kernel and sm_80/sm_90: static PTX counts, registers,
+#                        blocks per SM; fails when one breaks a limit of tools/kernel-stats.limits (nvcc)
 #   make skeletons       (maintainers) regenerate lessons/ from solutions/; files holding learner
 #                        code are first copied to .learner-backups/ (N=01: one lesson)
 #   make check-skeletons (maintainers, CI) fail unless lessons/ is exactly what make skeletons writes
@@ -35,7 +37,7 @@ LESSONS = $$(ls lessons | tr '\n' ' ')
 CMAKE_FLAGS ?=
 CMAKE_ARGS = -G Ninja -DCP_CUDA_ARCHS="$(CP_CUDA_ARCHS)" $(if $(CMAKE_PREFIX_PATH),-DCMAKE_PREFIX_PATH="$(CMAKE_PREFIX_PATH)") $(CMAKE_FLAGS)
 
-.PHONY: setup setup-cuda-cpu configure build test demo train precision plan lesson status compare docs bench mutants skeletons check-skeletons gpu-check sanitize test-debian13 clean need-N
+.PHONY: setup setup-cuda-cpu configure build test demo train precision plan lesson status compare docs bench mutants skeletons check-skeletons gpu-check kernel-stats sanitize test-debian13 clean need-N
 
 setup:
 	@tools/setup
@@ -158,6 +160,11 @@ check-skeletons:
 
 gpu-check:
 	tools/gpu-check
+
+# (maintainers) without nvcc it prints that nothing was checked and passes; ARGS=--require fails then.
+# ARGS="--arch 90": one architecture; ARGS="--json FILE": the numbers as JSON too.
+kernel-stats:
+	tools/kernel-stats --check $(ARGS)
 
 sanitize: setup
 	tools/sanitize

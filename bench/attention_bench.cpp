@@ -1,6 +1,8 @@
 // Lessons 03 and 05 benchmark: the course's CPU block attention, forward and backward, against
 // the attention a learner writes in three lines of LibTorch, softmax(scale · Q Kᵀ + mask) V, with
-// LibTorch's autograd for the backward. Causal and not, S = 1k to 8k, D = 64, float32.
+// LibTorch's autograd for the backward, and (LibTorch >= 2.0) PyTorch's fused
+// at::scaled_dot_product_attention. Causal and not, S = 1k to 8k, D = 64, float32, one core at the
+// SIMD level the CPU has (CP_CPU_SIMD=baseline or avx2 caps it), with the core's FMA peak.
 //
 // FLOP convention (as FlashAttention's papers): forward 4·B·H·Sq·Sk·D (two matrix products),
 // halved when causal; backward 2.5× the forward. Both implementations are credited with the same
@@ -26,32 +28,35 @@
 #include "common/cli.h"
 #include "common/error.h"
 #include "common/world.h"
+#include "common/cpu_features.h"
 #include "ring_attention_backward.h"
+#include "timing.h"
+
+// at::scaled_dot_product_attention, PyTorch's own fused attention and the peer a user would pick,
+// exists from LibTorch 2.0 on (Debian 13: 2.6); Debian 12's 1.13 has none, and its columns print "-".
+#if TORCH_VERSION_MAJOR >= 2
+#define CP_BENCH_SDPA 1
+#else
+#define CP_BENCH_SDPA 0
+#endif
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
-/// Median times in ms of `a` and `b` over `repeats` runs each, after a warm-up run of each if
-/// asked. The runs alternate (a, b, a, b, …) so that a change in the machine's load reaches both.
-/// `prepare_b` runs untimed before each run of b (LibTorch's forward, before its backward).
-std::pair<double, double> median_ms(int repeats, bool warm_up, const std::function<void()>& a,
-                                    const std::function<void()>& b, const std::function<void()>& prepare_b = {}) {
-  auto time = [](const std::function<void()>& fn) {
-    const auto start = Clock::now();
-    fn();
-    return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
-  };
-  std::vector<double> times_a, times_b;
-  for (int i = warm_up ? -1 : 0; i < repeats; ++i) {
-    const double ms_a = time(a);
-    if (prepare_b) prepare_b();
-    const double ms_b = time(b);
-    if (i >= 0) times_a.push_back(ms_a), times_b.push_back(ms_b);
-  }
-  std::sort(times_a.begin(), times_a.end());
-  std::sort(times_b.begin(), times_b.end());
-  return {times_a[times_a.size() / 2], times_b[times_b.size() / 2]};
+/// The core's clock in GHz, measured: a chain of dependent integer adds runs one add per cycle on
+/// every x86-64 core, whatever /proc/cpuinfo says of turbo and virtual machines. 0 elsewhere.
+double measured_ghz() {
+#if defined(__x86_64__)
+  constexpr int64_t kIterations = 100'000'000;  // 4 adds each: 0.4 G cycles, about 0.1 s
+  int64_t x = 0;
+  const auto start = Clock::now();
+  for (int64_t i = 0; i < kIterations; ++i) asm volatile("add $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\tadd $1, %0" : "+r"(x));
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  return 4.0 * kIterations / seconds / 1e9;
+#else
+  return 0.0;
+#endif
 }
 
 std::string cpu_model() {
@@ -113,12 +118,19 @@ int main(int argc, char** argv) {
     std::printf("# float32, B = 1, D = %lld, H = 8·(2048/S)^2 clamped to 1..8; FLOP: forward 4·B·H·S·S·D, halved when "
                 "causal, backward 2.5x forward\n",
                 (long long)d);
-    std::printf("# median of %d alternating runs (after a warm-up run below S = 4096); ratio = torch_ms / cp_ms "
-                "(> 1: the course is faster)\n# max_err: largest |cp - torch| of out (forward) or dq, dk, dv "
-                "(backward)\n",
-                repeats);
-    std::printf("# %-8s %-6s %6s %3s %10s %10s %10s %10s %7s %9s\n", "pass", "mask", "S", "H", "cp_ms", "cp_GFLOP/s",
-                "torch_ms", "torch_GF/s", "ratio", "max_err");
+    const double ghz = measured_ghz();
+    const int floats = cp::simd_floats(cp::simd_level());
+    const double peak = ghz * floats * 4.0;  // two FMA pipes, 2 FLOP each
+    std::printf("# CPU SIMD: %s (CP_CPU_SIMD caps it); core clock %.2f GHz (measured); peak of one core %.1f "
+                "GFLOP/s = GHz x %d floats x 2 FLOP x 2 FMA pipes (assumed: some CPUs have one)\n",
+                cp::describe(cp::simd_level()).c_str(), ghz, peak, floats);
+    std::printf("# median of %d alternating runs (after a warm-up run below S = 4096); cp_peak = cp_GFLOP/s / peak; "
+                "vs_torch = torch_ms / cp_ms, vs_sdpa = sdpa_ms / cp_ms (> 1: the course is faster)\n"
+                "# sdpa: at::scaled_dot_product_attention (LibTorch >= 2.0; '-' here: LibTorch %d.%d)\n"
+                "# max_err: largest |cp - torch| of out (forward) or dq, dk, dv (backward)\n",
+                repeats, TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR);
+    std::printf("# %-8s %-6s %6s %3s %9s %10s %7s %9s %10s %8s %9s %8s %9s\n", "pass", "mask", "S", "H", "cp_ms",
+                "cp_GFLOP/s", "cp_peak", "torch_ms", "torch_GF/s", "vs_torch", "sdpa_ms", "vs_sdpa", "max_err");
     for (const int64_t s : seqs) {
       // H keeps the work H·S² constant from S = 2048 on (8k: twice that, H cannot go below 1).
       const int64_t h = std::clamp<int64_t>(8 * (2048 * 2048) / (s * s), 1, 8);
@@ -132,10 +144,16 @@ int main(int argc, char** argv) {
         const torch::Tensor hidden =
             causal ? torch::ones({s, s}, torch::kBool).triu(1) : torch::Tensor();  // key after query: hidden
         const cp::AttentionMask mask = cp::causal_mask(causal);
-        auto row = [&](const char* pass, double flop, double cp_ms, double torch_ms, double err) {
-          std::printf("  %-8s %-6s %6lld %3lld %10.1f %10.2f %10.1f %10.2f %7.2f %9.1e\n", pass,
-                      causal ? "causal" : "full", (long long)s, (long long)h, cp_ms, flop / (cp_ms * 1e6), torch_ms,
-                      flop / (torch_ms * 1e6), torch_ms / cp_ms, err);
+        auto row = [&](const char* pass, double flop, const std::vector<double>& ms, double err) {
+          const double gflops = flop / (ms[0] * 1e6);
+          std::printf("  %-8s %-6s %6lld %3lld %9.1f %10.2f %6.0f%% %9.1f %10.2f %8.2f", pass, causal ? "causal" : "full",
+                      (long long)s, (long long)h, ms[0], gflops, 100.0 * gflops / peak, ms[1], flop / (ms[1] * 1e6),
+                      ms[1] / ms[0]);
+          if (ms.size() > 2)
+            std::printf(" %9.1f %8.2f", ms[2], ms[2] / ms[0]);
+          else
+            std::printf(" %9s %8s", "-", "-");
+          std::printf(" %9.1e\n", err);
           std::fflush(stdout);
         };
         auto max_err = [](const torch::Tensor& a, const torch::Tensor& b) {
@@ -144,24 +162,42 @@ int main(int argc, char** argv) {
 
         cp::AttnResult fwd;
         torch::Tensor out;
-        const auto [cp_fwd, torch_fwd] = median_ms(
-            repeats, warm_up, [&] { fwd = cp::attention_block_forward(q, k, v, mask); },
+        std::vector<std::function<void()>> forwards = {
+            [&] { fwd = cp::attention_block_forward(q, k, v, mask); },
             [&] {
               torch::NoGradGuard no_grad;
               out = torch_attention(q, k, v, hidden, scale);
-            });
-        row("forward", fwd_flop, cp_fwd, torch_fwd, max_err(fwd.out, out));
+            }};
+#if CP_BENCH_SDPA
+        forwards.push_back([&] {
+          torch::NoGradGuard no_grad;
+          at::scaled_dot_product_attention(q, k, v, {}, 0.0, causal);
+        });
+#endif
+        row("forward", fwd_flop, cp::bench::median_ms(repeats, warm_up, forwards), max_err(fwd.out, out));
 
         cp::AttnGrads grads;
-        torch::Tensor qg, kg, vg;
-        const auto [cp_bwd, torch_bwd] = median_ms(
-            repeats, warm_up, [&] { grads = cp::attention_block_backward(dout, q, k, v, fwd.out, fwd.lse, mask); },
-            [&] { out.backward(dout); },
-            [&] {
-              qg = q.clone().requires_grad_(), kg = k.clone().requires_grad_(), vg = v.clone().requires_grad_();
-              out = torch_attention(qg, kg, vg, hidden, scale);
-            });
-        row("backward", 2.5 * fwd_flop, cp_bwd, torch_bwd,
+        torch::Tensor qg, kg, vg, out_sdpa;
+        auto leaves = [&] {
+          qg = q.clone().requires_grad_(), kg = k.clone().requires_grad_(), vg = v.clone().requires_grad_();
+        };
+        std::vector<std::function<void()>> backwards = {
+            [&] { grads = cp::attention_block_backward(dout, q, k, v, fwd.out, fwd.lse, mask); },
+            [&] { out.backward(dout); }};
+        std::vector<std::function<void()>> prepare = {{}, [&] {
+                                                        leaves();
+                                                        out = torch_attention(qg, kg, vg, hidden, scale);
+                                                      }};
+#if CP_BENCH_SDPA
+        backwards.push_back([&] { out_sdpa.backward(dout); });
+        prepare.push_back([&] {
+          leaves();
+          out_sdpa = at::scaled_dot_product_attention(qg, kg, vg, {}, 0.0, causal);
+        });
+#endif
+        const std::vector<double> ms = cp::bench::median_ms(repeats, warm_up, backwards, prepare);
+        // The gradients of the last backward run: LibTorch's, or sdpa's where it ran last.
+        row("backward", 2.5 * fwd_flop, ms,
             std::max({max_err(grads.dq, qg.grad()), max_err(grads.dk, kg.grad()), max_err(grads.dv, vg.grad())}));
       }
     }

@@ -9,6 +9,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
+#include <functional>
+#include <vector>
 
 #include "common/cli.h"
 #include "common/error.h"
@@ -17,32 +20,53 @@
 
 namespace {
 
+/// The median over repeats of the slowest rank's time of `step` (a ring step is as slow as its
+/// slowest rank), in microseconds.
+double median_us(cp::Comm& comm, int repeats, const std::function<void()>& step) {
+  std::vector<double> times;
+  for (int i = 0; i <= repeats; ++i) {
+    comm.barrier();
+    const auto start = std::chrono::steady_clock::now();
+    step();
+    torch::Tensor us =
+        torch::tensor({std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count()});
+    comm.all_reduce(us, cp::ReduceOp::Max);
+    if (i > 0) times.push_back(us.item<double>());  // the first run warms up
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
 void bench(cp::Comm& comm, const std::string& backend) {
   if (comm.rank() == 0) {
     std::printf("# ring exchange, backend %s, %d ranks: median over repeats of the slowest rank's time\n",
                 backend.c_str(), comm.size());
-    std::printf("# %-9s %10s %12s %12s\n", "strategy", "bytes", "latency_us", "GB_per_s");
+    std::printf("# memcpy: every rank copies its own send buffer into its receive buffer at the same time, no\n"
+                "# exchange: the ceiling. of_memcpy = memcpy's time / the strategy's (1: as fast as a copy)\n");
+    std::printf("# %-9s %10s %12s %12s %10s\n", "strategy", "bytes", "latency_us", "GB_per_s", "of_memcpy");
+  }
+  const std::vector<int64_t> sizes = {int64_t(4) << 10, int64_t(64) << 10, int64_t(1) << 20, int64_t(16) << 20,
+                                      int64_t(64) << 20};
+  std::vector<double> memcpy_us;
+  for (int64_t bytes : sizes) {
+    const torch::Tensor send = torch::ones({bytes / 4});
+    torch::Tensor recv = torch::empty_like(send);
+    const int repeats = bytes <= (int64_t(1) << 20) ? 50 : 8;
+    memcpy_us.push_back(median_us(comm, repeats, [&] { std::memcpy(recv.data_ptr(), send.data_ptr(), bytes); }));
+    if (comm.rank() == 0)
+      std::printf("  %-9s %10lld %12.1f %12.2f %10.2f\n", "memcpy", (long long)bytes, memcpy_us.back(),
+                  bytes / (memcpy_us.back() * 1e3), 1.0);
   }
   for (cp::ExchangeMethod how : {cp::ExchangeMethod::OddEven, cp::ExchangeMethod::SendRecv, cp::ExchangeMethod::Batched}) {
-    for (int64_t bytes : {int64_t(4) << 10, int64_t(64) << 10, int64_t(1) << 20, int64_t(16) << 20, int64_t(64) << 20}) {
+    for (size_t s = 0; s < sizes.size(); ++s) {
+      const int64_t bytes = sizes[s];
       const torch::Tensor send = torch::ones({bytes / 4});
       torch::Tensor recv = torch::empty_like(send);
       const int repeats = bytes <= (int64_t(1) << 20) ? 50 : 8;
-      std::vector<double> times;
-      for (int i = 0; i <= repeats; ++i) {
-        comm.barrier();
-        const auto start = std::chrono::steady_clock::now();
-        cp::ring_exchange(comm, send, recv, how);
-        torch::Tensor us = torch::tensor(
-            {std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count()});
-        comm.all_reduce(us, cp::ReduceOp::Max);  // a ring step is as slow as its slowest rank
-        if (i > 0) times.push_back(us.item<double>());  // the first run warms up
-      }
-      std::sort(times.begin(), times.end());
-      const double median = times[times.size() / 2];
+      const double median = median_us(comm, repeats, [&] { cp::ring_exchange(comm, send, recv, how); });
       if (comm.rank() == 0)
-        std::printf("  %-9s %10lld %12.1f %12.2f\n", cp::to_string(how).c_str(), (long long)bytes, median,
-                    bytes / (median * 1e3));
+        std::printf("  %-9s %10lld %12.1f %12.2f %10.2f\n", cp::to_string(how).c_str(), (long long)bytes, median,
+                    bytes / (median * 1e3), memcpy_us[s] / median);
     }
   }
 }

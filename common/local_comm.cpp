@@ -1,8 +1,9 @@
 // The `local` backend: N ranks as threads of one process.
 //
 // Point-to-point operations are matched in the order they were posted, per (sender, receiver)
-// pair, like MPI. The thread that posts the second half of a pair performs the copy: a memcpy
-// for CPU tensors; for CUDA tensors an asynchronous copy on the receiver's copy stream, ordered
+// pair, like MPI. The copy into a receive buffer is made by the rank that owns it if that rank is
+// already waiting for it (it has nothing else to do), else by the thread that posts the second
+// half of the pair: a memcpy for CPU tensors; for CUDA tensors an asynchronous copy on the receiver's copy stream, ordered
 // after both buffers are ready (events recorded on each rank's current stream) and waited on
 // by stream, not by the host, so compute and communication overlap on one GPU.
 //
@@ -141,6 +142,7 @@ struct PendingOp {
   bool done = false;     // matched and copied (or failed)
   Fence completed;       // the copy has finished on the device
   std::string error;     // why the match failed, if it did
+  std::shared_ptr<PendingOp> copy_from;  // a receive: its matched send, which its owner copies in wait()
 
   std::string edge() const {
     return "rank " + std::to_string(owner) + (kind == P2POp::Kind::Send ? " send→" : " recv←") +
@@ -182,6 +184,21 @@ class LocalWorld {
     const OpPtr recv = recvs.front();
     sends.pop_front();
     recvs.pop_front();
+    const std::vector<OpPtr>& receiver_waits = ranks_[recv->owner].waiting_on;
+    if (op == send && std::find(receiver_waits.begin(), receiver_waits.end(), recv) != receiver_waits.end()) {
+      // The receiver waits for this very receive: it copies, and this rank goes on. In a batched
+      // ring step every rank then copies its own incoming chunk, all at once, where the last
+      // rank to post would otherwise make two copies while its neighbour sits idle.
+      recv->copy_from = send;
+      last_change_ = Clock::now();
+      changed_.notify_all();
+      return;
+    }
+    copy_pair(lock, send, recv);
+  }
+
+  /// Copies a matched pair's data with `lock` released, then marks both done.
+  void copy_pair(std::unique_lock<std::mutex>& lock, const OpPtr& send, const OpPtr& recv) {
     CopyStream& stream = *ranks_[recv->owner].incoming;
     lock.unlock();
 
@@ -215,6 +232,12 @@ class LocalWorld {
       if (aborted_) {
         me.waiting_on.clear();
         throw_if_aborted();
+      }
+      for (const OpPtr& o : ops) {
+        if (!o->copy_from) continue;
+        const OpPtr send = std::move(o->copy_from);
+        o->copy_from.reset();
+        copy_pair(lock, send, o);
       }
       if (std::all_of(ops.begin(), ops.end(), [](const OpPtr& o) { return o->done; })) break;
       if (every_live_rank_stuck() && Clock::now() - last_change_ >= options_.deadlock_timeout) {
@@ -288,7 +311,7 @@ class LocalWorld {
 
   static const PendingOp* first_unmatched(const RankState& r) {
     for (const OpPtr& o : r.waiting_on)
-      if (!o->done) return o.get();
+      if (!o->done && !o->copy_from) return o.get();  // a receive with its send's copy pending is not stuck
     return nullptr;
   }
 
@@ -413,7 +436,7 @@ class LocalComm : public Comm {
     check_buffer(op.tensor, what);
     auto pending = std::make_shared<PendingOp>(PendingOp{op.kind, op.tensor, context_, members_[rank_],
                                                          members_[op.peer], Fence::after_current_work(op.tensor),
-                                                         false, {}, {}});
+                                                         false, {}, {}, {}});
     world_->post(pending);
     return pending;
   }

@@ -2,9 +2,11 @@
 //
 // A block owns some rows (queries or keys) and streams tiles of the other side's rows through
 // shared memory. Each owned row is split over a row group of D / kSlice adjacent threads, one
-// slice of kSlice dims per thread. In shared memory every slice is followed by one float of
-// padding: the threads of a group read the same dim of different slices, and the padding puts
-// those reads on different banks instead of one.
+// slice of kSlice dims per thread, which a thread reads four floats at a time (load4: one 16-byte
+// shared load where four floats would take four). In shared memory every slice is followed by
+// four floats of padding: the threads of a group read the same dims of different slices, and the
+// padding puts those reads on different banks instead of the same ones, while keeping every slice
+// 16-byte aligned (one float of padding would break the alignment).
 #pragma once
 
 #include <climits>
@@ -19,11 +21,19 @@ namespace cp::kernels {
 template <int D, int kSlice>
 struct PaddedTile {
   static_assert(D % kSlice == 0, "the head dim must be a multiple of the slice");
-  static constexpr int kGroup = D / kSlice;              ///< threads per row (a row group)
-  static constexpr int kStride = kGroup * (kSlice + 1);  ///< floats per tile row, padding included
+  static_assert(kSlice % 4 == 0, "slices are read four floats at a time");
+  static constexpr int kPad = 4;                            ///< floats after each slice
+  static constexpr int kGroup = D / kSlice;                 ///< threads per row (a row group)
+  static constexpr int kStride = kGroup * (kSlice + kPad);  ///< floats per tile row, padding included
 
   static __device__ __forceinline__ int at(int row, int dim) {
-    return row * kStride + (dim / kSlice) * (kSlice + 1) + dim % kSlice;
+    return row * kStride + (dim / kSlice) * (kSlice + kPad) + dim % kSlice;
+  }
+
+  /// Dims 4c .. 4c + 3 of the slice that starts at `slice` (tile + at(row, g * kSlice)), in one
+  /// 16-byte load. The tile itself must be 16-byte aligned (kernels declare their shared memory so).
+  static __device__ __forceinline__ float4 load4(const float* slice, int c) {
+    return reinterpret_cast<const float4*>(slice)[c];
   }
 
   /// Loads rows [row0, row0 + n) of a [rows, D] matrix `src` into tile rows 0 .. kRows − 1, as

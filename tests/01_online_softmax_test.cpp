@@ -8,6 +8,7 @@
 #include <sstream>
 #include <thread>
 
+#include "common/cpu_features.h"
 #include "common/error.h"
 #include "common/tensor_checks.h"
 #include "online_softmax.h"
@@ -288,18 +289,24 @@ CP_TEST(Lesson01, Task3_OnlineSoftmaxMatchesTorch) {
   }
 }
 
+// float64 input runs your row_state (float32 states, so one running sum loses accuracy there too);
+// float32 input runs the given vectorised copy (online_softmax_simd.h).
 CP_TEST(Lesson01, Task3_LongRowsNeedPartialStates) {
   const torch::Tensor x = random_with_outliers({32, kLongRow}, 809, 4.0, 0.0);
-  CP_EXPECT_RESULT(rows_close(online_softmax(x), oracle_softmax(x), x,
-                              "online_softmax float32 n=" + std::to_string(kLongRow), {"row", "j"}));
+  for (auto dtype : {torch::kDouble, torch::kFloat})
+    CP_EXPECT_RESULT(rows_close(online_softmax(x.to(dtype)), oracle_softmax(x), x,
+                                std::string("online_softmax ") + c10::toString(dtype) + " n=" + std::to_string(kLongRow),
+                                {"row", "j"}));
 }
 
 CP_TEST(Lesson01, Task3_RowLogsumexpMatchesTorch) {
   for (int64_t n : kLengths) {
     const torch::Tensor x = random_with_outliers({64, n}, 300 + n, 4.0, n % 2 ? 1e4 : 0.0);
-    const torch::Tensor lse = row_logsumexp(x);
-    EXPECT_EQ(lse.scalar_type(), torch::kFloat);
-    CP_ASSERT_RESULT(rows_close(lse, oracle_logsumexp(x), x, "row_logsumexp n=" + std::to_string(n), {"row"}));
+    for (auto dtype : {torch::kDouble, torch::kFloat}) {
+      const torch::Tensor lse = row_logsumexp(x.to(dtype));
+      EXPECT_EQ(lse.scalar_type(), torch::kFloat);
+      CP_ASSERT_RESULT(rows_close(lse, oracle_logsumexp(x), x, "row_logsumexp n=" + std::to_string(n), {"row"}));
+    }
   }
 }
 
@@ -307,17 +314,22 @@ CP_TEST(Lesson01, Task3_HugeValuesAndMinusInfEntries) {
   // ±1e4 overflow a naive exp; -inf entries are masked-out columns.
   torch::Tensor x = random_with_outliers({5, 97}, 9, 3.0, 1e4);
   x.index_put_({torch::indexing::Slice(), torch::indexing::Slice(0, 97, 3)}, -INFINITY);
-  CP_EXPECT_RESULT(rows_close(online_softmax(x), oracle_softmax(x), x, "online_softmax", {"row", "j"}));
-  CP_EXPECT_RESULT(rows_close(row_logsumexp(x), oracle_logsumexp(x), x, "row_logsumexp", {"row"}));
+  for (auto dtype : {torch::kDouble, torch::kFloat}) {
+    CP_EXPECT_RESULT(rows_close(online_softmax(x.to(dtype)), oracle_softmax(x), x, "online_softmax", {"row", "j"}));
+    CP_EXPECT_RESULT(rows_close(row_logsumexp(x.to(dtype)), oracle_logsumexp(x), x, "row_logsumexp", {"row"}));
+  }
 }
 
 CP_TEST(Lesson01, Task3_AllMinusInfRowGivesZerosAndMinusInfNeverNan) {
   torch::Tensor x = random_with_outliers({3, 40}, 4);
   x[1].fill_(-INFINITY);
-  const torch::Tensor y = online_softmax(x);
-  if (y.isnan().any().item<bool>()) ADD_FAILURE() << "online_softmax gave NaN; a row of -inf only must give zeros";
-  CP_EXPECT_RESULT(rows_close(y, oracle_softmax(x), x, "online_softmax", {"row", "j"}));
-  EXPECT_EQ(row_logsumexp(x)[1].item<float>(), -INFINITY);
+  for (auto dtype : {torch::kDouble, torch::kFloat}) {
+    const torch::Tensor y = online_softmax(x.to(dtype));
+    if (y.isnan().any().item<bool>())
+      ADD_FAILURE() << "online_softmax gave NaN (" << dtype << "); a row of -inf only must give zeros";
+    CP_EXPECT_RESULT(rows_close(y, oracle_softmax(x), x, "online_softmax", {"row", "j"}));
+    EXPECT_EQ(row_logsumexp(x.to(dtype))[1].item<float>(), -INFINITY) << dtype;
+  }
 }
 
 CP_TEST(Lesson01, Task3_NanAndInfFollowTheReference) {
@@ -336,15 +348,45 @@ CP_TEST(Lesson01, Task3_NanAndInfFollowTheReference) {
 }
 
 CP_TEST(Lesson01, Task3_LeadingDimsAndNonContiguousInput) {
-  const torch::Tensor base = random_with_outliers({6, 5, 33}, 77);
-  const torch::Tensor x = base.transpose(0, 1);  // [5, 6, 33], not contiguous
-  CP_EXPECT_RESULT(rows_close(online_softmax(x), oracle_softmax(x), x, "online_softmax of a transposed tensor"));
-  CP_EXPECT_RESULT(rows_close(row_logsumexp(x), oracle_logsumexp(x), x, "row_logsumexp of a transposed tensor"));
+  for (auto dtype : {torch::kDouble, torch::kFloat}) {
+    const torch::Tensor base = random_with_outliers({6, 5, 33}, 77).to(dtype);
+    const torch::Tensor x = base.transpose(0, 1);  // [5, 6, 33], not contiguous
+    CP_EXPECT_RESULT(rows_close(online_softmax(x), oracle_softmax(x), x, "online_softmax of a transposed tensor"));
+    CP_EXPECT_RESULT(rows_close(row_logsumexp(x), oracle_logsumexp(x), x, "row_logsumexp of a transposed tensor"));
+  }
+}
+
+/// The given vectorised path (float32 rows, online_softmax_simd.h) at every SIMD level this CPU
+/// has: lengths around its steps of 4·W values, -inf, NaN and +inf in every lane position.
+CP_TEST(Lesson01, Task3_VectorisedPathAtEverySimdLevel) {
+  online_softmax(torch::zeros({1, 2}, torch::kDouble));  // counts once task 3 is written (float64 runs it)
+  const SimdLevel best = best_simd_level();
+  for (int level = 0; level <= static_cast<int>(best); ++level) {
+    set_simd_level(static_cast<SimdLevel>(level));
+    const std::string at = " at SIMD " + describe(static_cast<SimdLevel>(level));
+    for (int64_t n : std::initializer_list<int64_t>{1, 3, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 1000, kLongRow}) {
+      torch::Tensor x = random_with_outliers({6, n}, 500 + n, 4.0, 1e4);
+      x[1].fill_(-INFINITY);
+      x.index_put_({2, torch::indexing::Slice(0, n, 2)}, -INFINITY);
+      const std::string what = " n=" + std::to_string(n) + at;
+      CP_ASSERT_RESULT(rows_close(online_softmax(x), oracle_softmax(x), x, "online_softmax" + what, {"row", "j"}));
+      CP_ASSERT_RESULT(rows_close(row_logsumexp(x), oracle_logsumexp(x), x, "row_logsumexp" + what, {"row"}));
+    }
+    for (int64_t n : {40, 100, 1000}) {
+      const torch::Tensor x = non_finite_rows(n, 60 + n);
+      const std::string what = " n=" + std::to_string(n) + at;
+      CP_ASSERT_RESULT(all_close_or_nan(online_softmax(x.to(torch::kFloat)), oracle_softmax(x), "online_softmax" + what,
+                                        {"row", "j"}, std::nullopt, x));
+      CP_ASSERT_RESULT(all_close_or_nan(row_logsumexp(x.to(torch::kFloat)), oracle_logsumexp(x),
+                                        "row_logsumexp" + what, {"row"}, std::nullopt, x));
+    }
+  }
+  set_simd_level(best);
 }
 
 CP_TEST(Lesson01, Task3_BadInputGivesClearErrors) {
   // The checks are given code; the test counts once the learner's online_softmax runs.
-  online_softmax(torch::zeros({1, 2}));
+  online_softmax(torch::zeros({1, 2}, torch::kDouble));  // counts once task 3 is written (float64 runs it)
   expect_error([] { online_softmax(torch::tensor(1.0f)); }, "x: expected at least 1 dimension");
   expect_error([] { online_softmax(torch::zeros({2, 3}, torch::kHalf)); }, "x: the CPU path takes float32 or float64");
   expect_error([] { row_logsumexp(torch::zeros({2, 3}, torch::kInt)); }, "x: the CPU path takes float32 or float64");
@@ -377,7 +419,8 @@ CP_TEST(Lesson01Cuda, Task4_RowLogsumexpMatchesTorchForEveryDtype) {
 
 /// online_softmax and row_logsumexp of empty shapes: no rows, and rows of no element (lse -inf).
 void check_empty_rows(torch::Device device) {
-  online_softmax(torch::zeros({1, 2}).to(device));  // counts once implemented: empty rows never reach the row code
+  // Counts once implemented (on the CPU, float64 runs task 3's code): empty rows never reach the row code.
+  online_softmax(torch::zeros({1, 2}, device.is_cuda() ? torch::kFloat : torch::kDouble).to(device));
   for (const auto& shape : {std::vector<int64_t>{0, 7}, std::vector<int64_t>{5, 0}}) {
     const torch::Tensor x = torch::zeros(shape);
     CP_EXPECT_CLOSE(online_softmax(x.to(device)), oracle_softmax(x), "online_softmax of an empty shape");

@@ -58,7 +58,9 @@ void compare_implementations() {
   };
   row("torch::softmax", [&] { return torch::softmax(x, -1); });
   row("cp::safe_softmax (3 pass)", [&] { return cp::safe_softmax(x); });
-  row("cp::online_softmax", [&] { return cp::online_softmax(x); });
+  const torch::Tensor x64 = x.to(torch::kDouble);
+  row("cp::online_softmax float64", [&] { return cp::online_softmax(x64); });  // your loops, a value at a time
+  row("cp::online_softmax", [&] { return cp::online_softmax(x); });  // float32: the given vectorised copy
   const std::string no_gpu = cp::cuda_unavailable_reason();
   if (no_gpu.empty()) {
     const torch::Tensor xg = x.cuda();

@@ -12,6 +12,7 @@
 
 #include "common/error.h"
 #include "common/tensor_checks.h"
+#include "kernels/cpu_simd.h"
 #include "kernels/cpu_tile.h"
 
 #if CP_WITH_CUDA
@@ -29,21 +30,20 @@ namespace {
 // key tile in attend_tile (task 2), which keeps the (m, l, O) state of its rows. On a GPU a tile
 // lives in shared memory and a row's numbers in registers; here the key tile (8 KiB of K and 8
 // KiB of V at D = 64) stays in the L1 cache while the kBr rows reuse it, and a row's 32 scores
-// stay in 8 SIMD registers of 4 floats while the loop over the head dim runs (README, "The CPU
-// path").
+// stay in SIMD registers (8 of 4 floats, 4 of 8 with AVX2, 2 of 16 with AVX-512) while the loop
+// over the head dim runs (README, "The CPU path").
 
 using kernels::exp_nonpos;
-using kernels::f32x4;
+using kernels::fvec;
 using kernels::kBc;
 using kernels::kBr;
 using kernels::kDimAlign;
-using kernels::kDimVecs;
-using kernels::kKeyVecs;
-using kernels::kLanes;
-using kernels::load4;
+using kernels::load;
 using kernels::max_keep_nan;
 using kernels::max_lane;
-using kernels::store4;
+using kernels::splat;
+using kernels::store;
+using kernels::sum_lanes;
 
 /// One (batch, kv head)'s keys and values, float32, in tiles of kBc keys (the last one padded
 /// with zero keys): kt holds each tile transposed, [dim][key], so that dim d of the tile's keys is
@@ -75,8 +75,15 @@ struct RowState {
 /// last[i]) against one key tile of n keys (kt: [dp][kBc], the tile transposed; v: [kBc][dp];
 /// positions k_pos). masked: some pair may be hidden (a key of the tile outside some row's range),
 /// else every pair of the first n keys is visible. Updates m, l and O of every row in `state`.
-void attend_tile(const float* q, int64_t rows, const float* kt, const float* v, int64_t n, const int64_t* first,
-                 const int64_t* last, const int64_t* k_pos, bool masked, float scale, int64_t dp, RowState& state) {
+/// W: floats per SIMD register; the loop is compiled for each width the CPU may have (AttendTile).
+template <int W>
+CP_SIMD_INLINE void attend_tile(const float* q, int64_t rows, const float* kt, const float* v, int64_t n,
+                                const int64_t* first, const int64_t* last, const int64_t* k_pos, bool masked,
+                                float scale, int64_t dp, RowState& state) {
+  using V = fvec<W>;                           // W floats: 4, 8 or 16 (kernels/cpu_simd.h)
+  constexpr int64_t kKeyVecs = kBc / W;        // a row's kBc scores: 8, 4 or 2 vectors
+  constexpr int64_t kDimVecs = kDimAlign / W;  // 32 dims of O: 8, 4 or 2 vectors
+  constexpr int kChains = W / 4;               // independent sums, for 8 accumulators at every width
   // BEGIN YOUR CODE task 2: one query tile against one key tile
   // TODO(lesson 03, task 2): the scores of each row against the tile's keys, then its (m, l, O) update.
   // README, "Task 2 — the CPU forward (`block_attention.cpp`)" and "The CPU path".
@@ -85,6 +92,14 @@ void attend_tile(const float* q, int64_t rows, const float* kt, const float* v, 
   throw NotImplemented("lesson 03, task 2: attend_tile (the CPU tile loop)");
   // END YOUR CODE
 }
+
+/// attend_tile for each SIMD width: kernels::simd_call<AttendTile> runs the CPU's widest.
+struct AttendTile {
+  template <int W, typename... Args>
+  CP_SIMD_INLINE static void run(Args&&... args) {
+    attend_tile<W>(args...);
+  }
+};
 
 /// Task 2: out ([rows][d_model], the input dtype) and lse of a query tile's rows from their state.
 template <typename T>
@@ -138,9 +153,10 @@ AttnResult forward_cpu(const torch::Tensor& q, const torch::Tensor& k, const tor
             }
             ++result.tiles_computed;
             const bool masked = !ranges.sees_all(kv.min_pos[t], kv.max_pos[t]);
-            attend_tile(q_tile.data(), rows, kv.kt.data() + t * kv.dp * kBc, kv.v.data() + t * kBc * kv.dp,
-                        std::min(kBc, s.seq_k - t * kBc), first ? first + i0 : nullptr, last ? last + i0 : nullptr,
-                        kp + t * kBc, masked, scale, kv.dp, state);
+            kernels::simd_call<AttendTile>(q_tile.data(), rows, kv.kt.data() + t * kv.dp * kBc,
+                                           kv.v.data() + t * kBc * kv.dp, std::min(kBc, s.seq_k - t * kBc),
+                                           first ? first + i0 : nullptr, last ? last + i0 : nullptr, kp + t * kBc,
+                                           masked, scale, kv.dp, state);
           }
           finish_rows(state, rows, s.head_dim, kv.dp, pout + (bh * s.seq_q + i0) * s.head_dim,
                       plse + bh * s.seq_q + i0);

@@ -33,8 +33,11 @@ using Tile = kernels::PaddedTile<D, kSlice>;  // a key's D floats in shared memo
 template <int D>
 constexpr size_t kSharedBytes = 2 * kBc * Tile<D>::kStride * sizeof(float);  // the K and V tiles
 
+// At least 2 blocks per SM: with float4 loads ptxas would take ~160 registers per thread, which
+// leaves one block of 256 threads (D = 128) per SM and nothing to hide a barrier's wait behind.
+// The price at D = 128: 128 registers and a spill of 56 to 128 bytes (make kernel-stats).
 template <typename T, int D>
-__global__ void __launch_bounds__(kBr * (D / kSlice))
+__global__ void __launch_bounds__(kBr * (D / kSlice), 2)
     block_attention_forward_kernel(const T* __restrict__ q,        // [B, Hq, Sq, D]
                                    const T* __restrict__ k,        // [B, Hkv, Sk, D]
                                    const T* __restrict__ v,        // [B, Hkv, Sk, D]
@@ -45,10 +48,10 @@ __global__ void __launch_bounds__(kBr * (D / kSlice))
                                    const int64_t* __restrict__ k_pos,    // [Sk]
                                    BlockAttentionParams p) {
   constexpr int kGroup = D / kSlice;  // threads per query row
-  extern __shared__ float smem[];
+  extern __shared__ __align__(16) float smem[];  // 16-byte aligned: the tiles are read as float4
   float* k_tile = smem;                          // [kBc][Tile::kStride]
   float* v_tile = smem + kBc * Tile<D>::kStride;  // [kBc][Tile::kStride]
-  __shared__ int64_t kpos_tile[kBc];
+  __shared__ __align__(16) int64_t kpos_tile[kBc];  // aligned: two positions per 16-byte load
   __shared__ int64_t block_first, block_last;  // the smallest first and the largest last of the block's rows
 
   const int64_t bh = blockIdx.x;  // b * Hq + h

@@ -10,6 +10,7 @@
 
 #include "common/error.h"
 #include "common/tensor_checks.h"
+#include "kernels/cpu_simd.h"
 #include "kernels/cpu_tile.h"
 #include "ring_attention_backward.h"
 
@@ -40,32 +41,41 @@ torch::Tensor softmax_backward_delta(const torch::Tensor& dout, const torch::Ten
 // packed rows, added into the outputs once at the end (README, "The block backward on the CPU").
 
 using kernels::exp_nonpos;
-using kernels::f32x4;
+using kernels::fvec;
 using kernels::kBc;
 using kernels::kBr;
 using kernels::kDimAlign;
-using kernels::kDimVecs;
-using kernels::kKeyVecs;
-using kernels::kLanes;
-using kernels::load4;
+using kernels::load;
 using kernels::pack_rows;
 using kernels::pack_transposed;
-using kernels::store4;
+using kernels::store;
 
 /// out[i][jj] = a_i · b_jj for `rows` rows of a ([rows][dp]) and the kBc rows of a tile b packed
 /// transposed (bt: [dp][kBc]): the scores S = Q Kᵀ and dP = dO Vᵀ of a tile pair, with
-/// lesson 03's loop (a row's kBc sums in 8 vector registers over the head dim).
-void tile_products(const float* a, int64_t rows, const float* bt, int64_t dp, float* out) {
+/// lesson 03's loop (a row's kBc sums in 8 vector registers over the head dim: kChains sums of
+/// kBc / W vectors).
+template <int W>
+CP_SIMD_INLINE void tile_products(const float* a, int64_t rows, const float* bt, int64_t dp, float* out) {
+  using V = fvec<W>;
+  constexpr int64_t kKeyVecs = kBc / W;
+  constexpr int kChains = W / 4;
   for (int64_t i = 0; i < rows; ++i) {
     const float* a_i = a + i * dp;
-    f32x4 acc[kKeyVecs] = {};
-    for (int64_t d = 0; d < dp; ++d) {
-      const float a_id = a_i[d];
+    V acc[kChains][kKeyVecs] = {};
+    for (int64_t d = 0; d < dp; d += kChains) {
+#pragma GCC unroll 4
+      for (int ch = 0; ch < kChains; ++ch) {
+        const float a_id = a_i[d + ch];
 #pragma GCC unroll 8
-      for (int64_t c = 0; c < kKeyVecs; ++c) acc[c] += a_id * load4(bt + d * kBc + c * kLanes);
+        for (int64_t c = 0; c < kKeyVecs; ++c) acc[ch][c] += a_id * load<V>(bt + (d + ch) * kBc + c * W);
+      }
     }
+#pragma GCC unroll 4
+    for (int ch = 1; ch < kChains; ++ch)
 #pragma GCC unroll 8
-    for (int64_t c = 0; c < kKeyVecs; ++c) store4(out + i * kBc + c * kLanes, acc[c]);
+      for (int64_t c = 0; c < kKeyVecs; ++c) acc[0][c] += acc[ch][c];
+#pragma GCC unroll 8
+    for (int64_t c = 0; c < kKeyVecs; ++c) store(out + i * kBc + c * W, acc[0][c]);
   }
 }
 
@@ -73,10 +83,15 @@ void tile_products(const float* a, int64_t rows, const float* bt, int64_t dp, fl
 /// delta: [rows]) against the kBc keys of a key tile (k, dk, dv: [kBc][dp]). s and dpt
 /// ([rows][kBc]) hold q_i · k_j and dout_i · v_j. hidden ([rows][kBc], 1 = hidden) is null when
 /// every pair is visible; else it marks the pairs to skip: the mask, rows with lse = -inf,
-/// keys past the last. Adds into dq, dk, dv.
-void backward_tile(const float* s, const float* dpt, const uint8_t* hidden, const float* q, const float* dout,
-                   const float* k, const float* lse, const float* delta, int64_t rows, float scale, int64_t dp,
-                   float* dq, float* dk, float* dv) {
+/// keys past the last. Adds into dq, dk, dv. W: floats per SIMD register (TilePair).
+template <int W>
+CP_SIMD_INLINE void backward_tile(const float* s, const float* dpt, const uint8_t* hidden, const float* q,
+                                  const float* dout, const float* k, const float* lse, const float* delta,
+                                  int64_t rows, float scale, int64_t dp, float* dq, float* dk, float* dv) {
+  using V = fvec<W>;                           // W floats: 4, 8 or 16 (kernels/cpu_simd.h)
+  constexpr int64_t kKeyVecs = kBc / W;        // a row's kBc values: 8, 4 or 2 vectors
+  constexpr int64_t kDimVecs = kDimAlign / W;  // 32 dims: 8, 4 or 2 vectors
+  constexpr int kChains = W / 4;               // independent sums, for 8 accumulators at every width
   // BEGIN YOUR CODE task 1: the gradients of one tile pair
   // TODO(lesson 05, task 1): P and dS of the tile, then dv += Pᵀ·dout, dk += dSᵀ·q, dq += dS·k.
   // README, "Task 1 — the block backward on the CPU (`block_backward.cpp`)".
@@ -85,6 +100,20 @@ void backward_tile(const float* s, const float* dpt, const uint8_t* hidden, cons
   throw NotImplemented("lesson 05, task 1: backward_tile");
   // END YOUR CODE
 }
+
+/// One tile pair for each SIMD width: its scores S and dP (tile_products), then backward_tile.
+/// kernels::simd_call<TilePair> runs the CPU's widest.
+struct TilePair {
+  template <int W>
+  CP_SIMD_INLINE static void run(const float* q, const float* dout, const float* kt, const float* vt, const float* k,
+                                 const uint8_t* hidden, const float* lse, const float* delta, int64_t rows,
+                                 float scale, int64_t dp, float* s_tile, float* dp_tile, float* dq, float* dk,
+                                 float* dv) {
+    tile_products<W>(q, rows, kt, dp, s_tile);
+    tile_products<W>(dout, rows, vt, dp, dp_tile);
+    backward_tile<W>(s_tile, dp_tile, hidden, q, dout, k, lse, delta, rows, scale, dp, dq, dk, dv);
+  }
+};
 
 /// The tile loops of one (batch, kv head) and its group of query heads: adds the group's dq
 /// (each head's rows of it) and dk, dv ([seq_k][d_model]) into the float32 outputs.
@@ -103,7 +132,7 @@ void backward_group(const T* q, const T* k, const T* v, const T* dout, const flo
   kernels::tile_position_bounds(k_pos, s.seq_k, kBc, k_min, k_max);
   std::vector<kernels::RowRanges> ranges;  // the keys each query tile sees (first = nullptr: all)
   for (int64_t i0 = 0; i0 < s.seq_q; i0 += kBr) ranges.push_back(kernels::row_ranges(first, last, i0, std::min(kBr, s.seq_q - i0)));
-  alignas(16) float s_tile[kBr * kBc], dp_tile[kBr * kBc];
+  alignas(64) float s_tile[kBr * kBc], dp_tile[kBr * kBc];
   uint8_t hidden[kBr * kBc];
   const int64_t sd = s.seq_q * d_model;
   for (int64_t h = 0; h < group; ++h) {
@@ -128,11 +157,11 @@ void backward_group(const T* q, const T* k, const T* v, const T* dout, const flo
               hidden[i * kBc + jj] = jj >= n || lse_h[i0 + i] == -INFINITY ||
                                      (by_mask && (k_pos[j0 + jj] < first[i0 + i] || k_pos[j0 + jj] > last[i0 + i]));
         }
-        tile_products(q_rows.data() + i0 * dp, rows, kt.data() + t * dp * kBc, dp, s_tile);
-        tile_products(do_rows.data() + i0 * dp, rows, vt.data() + t * dp * kBc, dp, dp_tile);
-        backward_tile(s_tile, dp_tile, masked ? hidden : nullptr, q_rows.data() + i0 * dp, do_rows.data() + i0 * dp,
-                      k_rows.data() + j0 * dp, lse_h + i0, delta_h + i0, rows, scale, dp, dq_acc.data() + i0 * dp,
-                      dk_acc.data() + j0 * dp, dv_acc.data() + j0 * dp);
+        kernels::simd_call<TilePair>(q_rows.data() + i0 * dp, do_rows.data() + i0 * dp, kt.data() + t * dp * kBc,
+                                     vt.data() + t * dp * kBc, k_rows.data() + j0 * dp,
+                                     masked ? hidden : nullptr, lse_h + i0, delta_h + i0, rows, scale, dp, s_tile,
+                                     dp_tile, dq_acc.data() + i0 * dp, dk_acc.data() + j0 * dp,
+                                     dv_acc.data() + j0 * dp);
       }
     }
     for (int64_t i = 0; i < s.seq_q; ++i)

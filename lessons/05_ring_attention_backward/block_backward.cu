@@ -33,7 +33,7 @@ __global__ void __launch_bounds__(kRows * (D / 32))
               BlockAttentionParams p) {
   constexpr int kSlice = 32;
   using L = kernels::PaddedTile<D, kSlice>;
-  extern __shared__ float smem[];
+  extern __shared__ __align__(16) float smem[];  // 16-byte aligned: the tiles are read as float4
   float* k_tile = smem;                   // [kTile][kStride]
   float* v_tile = smem + kTile * L::kStride;
   __shared__ int64_t kpos_tile[kTile];
@@ -101,7 +101,7 @@ __global__ void __launch_bounds__(kRows * (D / 16))
                 BlockAttentionParams p) {
   constexpr int kSlice = 16;  // four accumulators per row (k, v, dk, dv): smaller slices, fewer registers
   using L = kernels::PaddedTile<D, kSlice>;
-  extern __shared__ float smem[];
+  extern __shared__ __align__(16) float smem[];  // 16-byte aligned: the tiles are read as float4
   float* q_tile = smem;                    // [kTile][kStride]
   float* do_tile = smem + kTile * L::kStride;
   __shared__ float lse_tile[kTile], delta_tile[kTile];

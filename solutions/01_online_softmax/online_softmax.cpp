@@ -5,6 +5,8 @@
 
 #include "common/error.h"
 #include "common/tensor_checks.h"
+#include "kernels/cpu_simd.h"
+#include "online_softmax_simd.h"
 
 #if CP_WITH_CUDA
 #include "common/device.h"
@@ -123,10 +125,20 @@ torch::Tensor safe_softmax(const torch::Tensor& x) {
   return map_rows(x, [](const auto* xr, auto* yr, int64_t n) { safe_softmax_row(xr, yr, n); });
 }
 
-torch::Tensor online_softmax(const torch::Tensor& x) {
-  check_input(x);
-  if (x.is_cuda()) return cuda_path(x, /*want_y=*/true);
-  return map_rows(x, [](const auto* xr, auto* yr, int64_t n) { normalise_row(xr, yr, n, row_state(xr, n)); });
+// float32 rows take the given vectorised copy of tasks 3's loops (online_softmax_simd.h), which
+// merges its lanes with your merge(); float64 rows take your row_state and normalise_row.
+torch::Tensor online_softmax(const torch::Tensor& x_in) {
+  check_input(x_in);
+  if (x_in.is_cuda()) return cuda_path(x_in, /*want_y=*/true);
+  if (x_in.scalar_type() == torch::kFloat) {
+    const torch::Tensor x = x_in.contiguous();
+    torch::Tensor y = torch::empty_like(x);
+    const int64_t n = x.size(-1);
+    if (n > 0)
+      kernels::simd_call<softmax_simd::SoftmaxRows>(x.data_ptr<float>(), y.data_ptr<float>(), x.numel() / n, n);
+    return y;
+  }
+  return map_rows(x_in, [](const auto* xr, auto* yr, int64_t n) { normalise_row(xr, yr, n, row_state(xr, n)); });
 }
 
 torch::Tensor row_logsumexp(const torch::Tensor& x_in) {
@@ -136,6 +148,10 @@ torch::Tensor row_logsumexp(const torch::Tensor& x_in) {
   const int64_t n = x.size(-1);
   torch::Tensor lse = torch::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(torch::kFloat));
   float* out = lse.data_ptr<float>();
+  if (x.scalar_type() == torch::kFloat) {
+    kernels::simd_call<softmax_simd::LogsumexpRows>(x.data_ptr<float>(), out, lse.numel(), n);
+    return lse;
+  }
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "row_logsumexp", [&] {
     const scalar_t* px = x.data_ptr<scalar_t>();
     for (int64_t r = 0; r < lse.numel(); ++r) out[r] = row_state(px + r * n, n).logsumexp();

@@ -10,6 +10,7 @@
 
 #include "common/error.h"
 #include "common/tensor_checks.h"
+#include "kernels/cpu_simd.h"
 #include "kernels/cpu_tile.h"
 
 #if CP_WITH_CUDA
@@ -27,21 +28,20 @@ namespace {
 // key tile in attend_tile (task 2), which keeps the (m, l, O) state of its rows. On a GPU a tile
 // lives in shared memory and a row's numbers in registers; here the key tile (8 KiB of K and 8
 // KiB of V at D = 64) stays in the L1 cache while the kBr rows reuse it, and a row's 32 scores
-// stay in 8 SIMD registers of 4 floats while the loop over the head dim runs (README, "The CPU
-// path").
+// stay in SIMD registers (8 of 4 floats, 4 of 8 with AVX2, 2 of 16 with AVX-512) while the loop
+// over the head dim runs (README, "The CPU path").
 
 using kernels::exp_nonpos;
-using kernels::f32x4;
+using kernels::fvec;
 using kernels::kBc;
 using kernels::kBr;
 using kernels::kDimAlign;
-using kernels::kDimVecs;
-using kernels::kKeyVecs;
-using kernels::kLanes;
-using kernels::load4;
+using kernels::load;
 using kernels::max_keep_nan;
 using kernels::max_lane;
-using kernels::store4;
+using kernels::splat;
+using kernels::store;
+using kernels::sum_lanes;
 
 /// One (batch, kv head)'s keys and values, float32, in tiles of kBc keys (the last one padded
 /// with zero keys): kt holds each tile transposed, [dim][key], so that dim d of the tile's keys is
@@ -73,8 +73,15 @@ struct RowState {
 /// last[i]) against one key tile of n keys (kt: [dp][kBc], the tile transposed; v: [kBc][dp];
 /// positions k_pos). masked: some pair may be hidden (a key of the tile outside some row's range),
 /// else every pair of the first n keys is visible. Updates m, l and O of every row in `state`.
-void attend_tile(const float* q, int64_t rows, const float* kt, const float* v, int64_t n, const int64_t* first,
-                 const int64_t* last, const int64_t* k_pos, bool masked, float scale, int64_t dp, RowState& state) {
+/// W: floats per SIMD register; the loop is compiled for each width the CPU may have (AttendTile).
+template <int W>
+CP_SIMD_INLINE void attend_tile(const float* q, int64_t rows, const float* kt, const float* v, int64_t n,
+                                const int64_t* first, const int64_t* last, const int64_t* k_pos, bool masked,
+                                float scale, int64_t dp, RowState& state) {
+  using V = fvec<W>;                           // W floats: 4, 8 or 16 (kernels/cpu_simd.h)
+  constexpr int64_t kKeyVecs = kBc / W;        // a row's kBc scores: 8, 4 or 2 vectors
+  constexpr int64_t kDimVecs = kDimAlign / W;  // 32 dims of O: 8, 4 or 2 vectors
+  constexpr int kChains = W / 4;               // independent sums, for 8 accumulators at every width
   // BEGIN SOLUTION task 2: one query tile against one key tile
   // STUB: // TODO(lesson 03, task 2): the scores of each row against the tile's keys, then its (m, l, O) update.
   // STUB: // README, "Task 2 — the CPU forward (`block_attention.cpp`)" and "The CPU path".
@@ -82,65 +89,89 @@ void attend_tile(const float* q, int64_t rows, const float* kt, const float* v, 
   // STUB: (void)scale, (void)dp, (void)state;
   // STUB: throw NotImplemented("lesson 03, task 2: attend_tile (the CPU tile loop)");
   for (int64_t i = 0; i < rows; ++i) {
-    // 1. The row's kBc scores: kKeyVecs accumulators that stay in registers over the head dim.
+    // 1. The row's kBc scores: kChains · kKeyVecs = 8 accumulators that stay in registers over
+    //    the head dim, dim d going to sum d % kChains, so that no add waits for the one before.
     const float* q_i = q + i * dp;
-    f32x4 acc[kKeyVecs] = {};
-    for (int64_t d = 0; d < dp; ++d) {
-      const float q_id = q_i[d];
+    V acc[kChains][kKeyVecs] = {};
+    for (int64_t d = 0; d < dp; d += kChains) {
+#pragma GCC unroll 4
+      for (int ch = 0; ch < kChains; ++ch) {
+        const float q_id = q_i[d + ch];
 #pragma GCC unroll 8
-      for (int64_t c = 0; c < kKeyVecs; ++c) acc[c] += q_id * load4(kt + d * kBc + c * kLanes);
+        for (int64_t c = 0; c < kKeyVecs; ++c) acc[ch][c] += q_id * load<V>(kt + (d + ch) * kBc + c * W);
+      }
     }
+#pragma GCC unroll 4
+    for (int ch = 1; ch < kChains; ++ch)
+#pragma GCC unroll 8
+      for (int64_t c = 0; c < kKeyVecs; ++c) acc[0][c] += acc[ch][c];
     // 2. Scale, mask (-inf: hidden, or past the last key), and the tile maximum (NaN wins).
-    alignas(16) float s[kBc];
-    f32x4 tile_max = f32x4{} - INFINITY;
+    alignas(64) float s[kBc];
+    V tile_max = splat<V>(-INFINITY);
 #pragma GCC unroll 8
     for (int64_t c = 0; c < kKeyVecs; ++c) {
-      const f32x4 s_c = acc[c] * scale;
-      store4(s + c * kLanes, s_c);
+      const V s_c = acc[0][c] * scale;
+      store(s + c * W, s_c);
       tile_max = max_keep_nan(s_c, tile_max);
     }
     if (masked || n < kBc) {
-      tile_max = f32x4{} - INFINITY;
+      tile_max = splat<V>(-INFINITY);
       for (int64_t jj = 0; jj < kBc; ++jj)
         if (jj >= n || (masked && (k_pos[jj] < first[i] || k_pos[jj] > last[i]))) s[jj] = -INFINITY;
-      for (int64_t c = 0; c < kKeyVecs; ++c) tile_max = max_keep_nan(load4(s + c * kLanes), tile_max);
+      for (int64_t c = 0; c < kKeyVecs; ++c) tile_max = max_keep_nan(load<V>(s + c * W), tile_max);
     }
     const float m_tile = max_lane(tile_max);
     if (m_tile == -INFINITY) continue;  // no visible key in this tile for this row
     // 3. The online update: one rescale of l and O, then p = e^(s - m_new) in vectors.
     float& m = state.m[i];
     const float m_new = (m_tile > m || m_tile != m_tile) ? m_tile : m;  // NaN in m or the tile wins
-    const float alpha = std::exp(m - m_new);                              // 0 on the row's first visible tile
+    const float alpha = m_new == m ? 1.0f : std::exp(m - m_new);  // 0 on the row's first visible tile
     m = m_new;
-    alignas(16) float p[kBc];
-    f32x4 p_sum = {};
+    alignas(64) float p[kBc];
+    V p_sum = {};
 #pragma GCC unroll 8
     for (int64_t c = 0; c < kKeyVecs; ++c) {
-      const f32x4 p_c = exp_nonpos(load4(s + c * kLanes) - m_new);
-      store4(p + c * kLanes, p_c);
+      const V p_c = exp_nonpos(load<V>(s + c * W) - m_new);
+      store(p + c * W, p_c);
       p_sum += p_c;
     }
-    state.l[i] = state.l[i] * alpha + ((p_sum[0] + p_sum[1]) + (p_sum[2] + p_sum[3]));
-    // 4. O = alpha O + P V, 32 dims at a time in 8 accumulators. A key with s = -inf (hidden)
-    //    is skipped, not multiplied by p = 0: its v may be NaN. A visible key counts at p = 0.
+    state.l[i] = state.l[i] * alpha + sum_lanes(p_sum);
+    // 4. O = alpha O + P V, 32 dims at a time in kChains · kDimVecs = 8 accumulators, key jj
+    //    going to sum jj % kChains. A key with s = -inf (hidden) is skipped, not multiplied by
+    //    p = 0: its v may be NaN. A visible key counts at p = 0.
     float* o_i = state.o.data() + i * dp;
     for (int64_t d0 = 0; d0 < dp; d0 += kDimAlign) {
-      f32x4 o[kDimVecs];
+      V o[kChains][kDimVecs] = {};
 #pragma GCC unroll 8
-      for (int64_t c = 0; c < kDimVecs; ++c) o[c] = load4(o_i + d0 + c * kLanes) * alpha;
-      for (int64_t jj = 0; jj < kBc; ++jj) {
-        if (s[jj] == -INFINITY) continue;
-        const float p_j = p[jj];
-        const float* v_j = v + jj * dp + d0;
+      for (int64_t c = 0; c < kDimVecs; ++c) o[0][c] = load<V>(o_i + d0 + c * W) * alpha;
+      for (int64_t j0 = 0; j0 < kBc; j0 += kChains) {
+#pragma GCC unroll 4
+        for (int ch = 0; ch < kChains; ++ch) {
+          if (s[j0 + ch] == -INFINITY) continue;
+          const float p_j = p[j0 + ch];
+          const float* v_j = v + (j0 + ch) * dp + d0;
 #pragma GCC unroll 8
-        for (int64_t c = 0; c < kDimVecs; ++c) o[c] += p_j * load4(v_j + c * kLanes);
+          for (int64_t c = 0; c < kDimVecs; ++c) o[ch][c] += p_j * load<V>(v_j + c * W);
+        }
       }
+#pragma GCC unroll 4
+      for (int ch = 1; ch < kChains; ++ch)
 #pragma GCC unroll 8
-      for (int64_t c = 0; c < kDimVecs; ++c) store4(o_i + d0 + c * kLanes, o[c]);
+        for (int64_t c = 0; c < kDimVecs; ++c) o[0][c] += o[ch][c];
+#pragma GCC unroll 8
+      for (int64_t c = 0; c < kDimVecs; ++c) store(o_i + d0 + c * W, o[0][c]);
     }
   }
   // END SOLUTION
 }
+
+/// attend_tile for each SIMD width: kernels::simd_call<AttendTile> runs the CPU's widest.
+struct AttendTile {
+  template <int W, typename... Args>
+  CP_SIMD_INLINE static void run(Args&&... args) {
+    attend_tile<W>(args...);
+  }
+};
 
 /// Task 2: out ([rows][d_model], the input dtype) and lse of a query tile's rows from their state.
 template <typename T>
@@ -201,9 +232,10 @@ AttnResult forward_cpu(const torch::Tensor& q, const torch::Tensor& k, const tor
             }
             ++result.tiles_computed;
             const bool masked = !ranges.sees_all(kv.min_pos[t], kv.max_pos[t]);
-            attend_tile(q_tile.data(), rows, kv.kt.data() + t * kv.dp * kBc, kv.v.data() + t * kBc * kv.dp,
-                        std::min(kBc, s.seq_k - t * kBc), first ? first + i0 : nullptr, last ? last + i0 : nullptr,
-                        kp + t * kBc, masked, scale, kv.dp, state);
+            kernels::simd_call<AttendTile>(q_tile.data(), rows, kv.kt.data() + t * kv.dp * kBc,
+                                           kv.v.data() + t * kBc * kv.dp, std::min(kBc, s.seq_k - t * kBc),
+                                           first ? first + i0 : nullptr, last ? last + i0 : nullptr, kp + t * kBc,
+                                           masked, scale, kv.dp, state);
           }
           finish_rows(state, rows, s.head_dim, kv.dp, pout + (bh * s.seq_q + i0) * s.head_dim,
                       plse + bh * s.seq_q + i0);

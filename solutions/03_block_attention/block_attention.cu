@@ -31,8 +31,11 @@ using Tile = kernels::PaddedTile<D, kSlice>;  // a key's D floats in shared memo
 template <int D>
 constexpr size_t kSharedBytes = 2 * kBc * Tile<D>::kStride * sizeof(float);  // the K and V tiles
 
+// At least 2 blocks per SM: with float4 loads ptxas would take ~160 registers per thread, which
+// leaves one block of 256 threads (D = 128) per SM and nothing to hide a barrier's wait behind.
+// The price at D = 128: 128 registers and a spill of 56 to 128 bytes (make kernel-stats).
 template <typename T, int D>
-__global__ void __launch_bounds__(kBr * (D / kSlice))
+__global__ void __launch_bounds__(kBr * (D / kSlice), 2)
     block_attention_forward_kernel(const T* __restrict__ q,        // [B, Hq, Sq, D]
                                    const T* __restrict__ k,        // [B, Hkv, Sk, D]
                                    const T* __restrict__ v,        // [B, Hkv, Sk, D]
@@ -43,10 +46,10 @@ __global__ void __launch_bounds__(kBr * (D / kSlice))
                                    const int64_t* __restrict__ k_pos,    // [Sk]
                                    BlockAttentionParams p) {
   constexpr int kGroup = D / kSlice;  // threads per query row
-  extern __shared__ float smem[];
+  extern __shared__ __align__(16) float smem[];  // 16-byte aligned: the tiles are read as float4
   float* k_tile = smem;                          // [kBc][Tile::kStride]
   float* v_tile = smem + kBc * Tile<D>::kStride;  // [kBc][Tile::kStride]
-  __shared__ int64_t kpos_tile[kBc];
+  __shared__ __align__(16) int64_t kpos_tile[kBc];  // aligned: two positions per 16-byte load
   __shared__ int64_t block_first, block_last;  // the smallest first and the largest last of the block's rows
 
   const int64_t bh = blockIdx.x;  // b * Hq + h
@@ -106,10 +109,17 @@ __global__ void __launch_bounds__(kBr * (D / kSlice))
       const float* k_row = k_tile + Tile<D>::at(jj, g * kSlice);
       float part = 0.0f;
 #pragma unroll
-      for (int d = 0; d < kSlice; ++d) part += q_reg[d] * k_row[d];
+      for (int c = 0; c < kSlice / 4; ++c) {  // four dims per shared load
+        const float4 k4 = Tile<D>::load4(k_row, c);
+        part += q_reg[4 * c] * k4.x;
+        part += q_reg[4 * c + 1] * k4.y;
+        part += q_reg[4 * c + 2] * k4.z;
+        part += q_reg[4 * c + 3] * k4.w;
+      }
 #pragma unroll
       for (int offset = kGroup / 2; offset > 0; offset /= 2) part += __shfl_xor_sync(kFullWarp, part, offset);
-      const bool visible = jj < n && my_first <= kpos_tile[jj] && kpos_tile[jj] <= my_last;
+      const int64_t pos = kpos_tile[jj];  // read unconditionally: two keys' positions per shared load
+      const bool visible = jj < n && my_first <= pos && pos <= my_last;
       s[jj] = visible ? part : -INFINITY;
       tile_max = (s[jj] > tile_max || s[jj] != s[jj]) ? s[jj] : tile_max;  // NaN wins: fmaxf drops it
     }
@@ -124,7 +134,14 @@ __global__ void __launch_bounds__(kBr * (D / kSlice))
         const float pj = expf(s[jj] - m_new);
         const float* v_row = v_tile + Tile<D>::at(jj, g * kSlice);
         l += pj;
-        for (int d = 0; d < kSlice; ++d) o[d] += pj * v_row[d];
+#pragma unroll
+        for (int c = 0; c < kSlice / 4; ++c) {
+          const float4 v4 = Tile<D>::load4(v_row, c);
+          o[4 * c] += pj * v4.x;
+          o[4 * c + 1] += pj * v4.y;
+          o[4 * c + 2] += pj * v4.z;
+          o[4 * c + 3] += pj * v4.w;
+        }
       }
       m = m_new;
     }

@@ -31,7 +31,7 @@ __global__ void __launch_bounds__(kRows * (D / 32))
               BlockAttentionParams p) {
   constexpr int kSlice = 32;
   using L = kernels::PaddedTile<D, kSlice>;
-  extern __shared__ float smem[];
+  extern __shared__ __align__(16) float smem[];  // 16-byte aligned: the tiles are read as float4
   float* k_tile = smem;                   // [kTile][kStride]
   float* v_tile = smem + kTile * L::kStride;
   __shared__ int64_t kpos_tile[kTile];
@@ -88,9 +88,10 @@ __global__ void __launch_bounds__(kRows * (D / 32))
       const float* v_row = v_tile + L::at(jj, g * kSlice);
       float s = 0.0f, dp = 0.0f;
 #pragma unroll
-      for (int d = 0; d < kSlice; ++d) {
-        s += q_reg[d] * k_row[d];
-        dp += do_reg[d] * v_row[d];
+      for (int c = 0; c < kSlice / 4; ++c) {  // four dims per shared load
+        const float4 k4 = L::load4(k_row, c), v4 = L::load4(v_row, c);
+        s += q_reg[4 * c] * k4.x + q_reg[4 * c + 1] * k4.y + q_reg[4 * c + 2] * k4.z + q_reg[4 * c + 3] * k4.w;
+        dp += do_reg[4 * c] * v4.x + do_reg[4 * c + 1] * v4.y + do_reg[4 * c + 2] * v4.z + do_reg[4 * c + 3] * v4.w;
       }
       s = group_sum<L::kGroup>(s);
       dp = group_sum<L::kGroup>(dp);
@@ -99,7 +100,13 @@ __global__ void __launch_bounds__(kRows * (D / 32))
       if (visible) {  // a hidden pair adds nothing, not 0 · NaN (its k may be NaN)
         const float ds = expf(s - lse_i) * (dp - delta_i);
 #pragma unroll
-        for (int d = 0; d < kSlice; ++d) dq_acc[d] += ds * k_row[d];
+        for (int c = 0; c < kSlice / 4; ++c) {
+          const float4 k4 = L::load4(k_row, c);
+          dq_acc[4 * c] += ds * k4.x;
+          dq_acc[4 * c + 1] += ds * k4.y;
+          dq_acc[4 * c + 2] += ds * k4.z;
+          dq_acc[4 * c + 3] += ds * k4.w;
+        }
       }
     }
     // END SOLUTION
@@ -118,7 +125,7 @@ __global__ void __launch_bounds__(kRows * (D / 16))
                 BlockAttentionParams p) {
   constexpr int kSlice = 16;  // four accumulators per row (k, v, dk, dv): smaller slices, fewer registers
   using L = kernels::PaddedTile<D, kSlice>;
-  extern __shared__ float smem[];
+  extern __shared__ __align__(16) float smem[];  // 16-byte aligned: the tiles are read as float4
   float* q_tile = smem;                    // [kTile][kStride]
   float* do_tile = smem + kTile * L::kStride;
   __shared__ float lse_tile[kTile], delta_tile[kTile];
@@ -180,9 +187,10 @@ __global__ void __launch_bounds__(kRows * (D / 16))
         const float* do_row = do_tile + L::at(ii, g * kSlice);
         float s = 0.0f, dp = 0.0f;
 #pragma unroll
-        for (int d = 0; d < kSlice; ++d) {
-          s += k_reg[d] * q_row[d];
-          dp += v_reg[d] * do_row[d];
+        for (int c = 0; c < kSlice / 4; ++c) {  // four dims per shared load
+          const float4 q4 = L::load4(q_row, c), do4 = L::load4(do_row, c);
+          s += k_reg[4 * c] * q4.x + k_reg[4 * c + 1] * q4.y + k_reg[4 * c + 2] * q4.z + k_reg[4 * c + 3] * q4.w;
+          dp += v_reg[4 * c] * do4.x + v_reg[4 * c + 1] * do4.y + v_reg[4 * c + 2] * do4.z + v_reg[4 * c + 3] * do4.w;
         }
         s = group_sum<L::kGroup>(s);
         dp = group_sum<L::kGroup>(dp);
@@ -192,9 +200,16 @@ __global__ void __launch_bounds__(kRows * (D / 16))
           const float prob = expf(s - lse_tile[ii]);
           const float ds = prob * (dp - delta_tile[ii]);
 #pragma unroll
-          for (int d = 0; d < kSlice; ++d) {
-            dv_acc[d] += prob * do_row[d];
-            dk_acc[d] += ds * q_row[d];
+          for (int c = 0; c < kSlice / 4; ++c) {
+            const float4 q4 = L::load4(q_row, c), do4 = L::load4(do_row, c);
+            dv_acc[4 * c] += prob * do4.x;
+            dv_acc[4 * c + 1] += prob * do4.y;
+            dv_acc[4 * c + 2] += prob * do4.z;
+            dv_acc[4 * c + 3] += prob * do4.w;
+            dk_acc[4 * c] += ds * q4.x;
+            dk_acc[4 * c + 1] += ds * q4.y;
+            dk_acc[4 * c + 2] += ds * q4.z;
+            dk_acc[4 * c + 3] += ds * q4.w;
           }
         }
       }

@@ -1,0 +1,139 @@
+// SIMD vectors of any width for the course's CPU loops, and the run-time choice of width.
+//
+// A loop is written once, as a template on the vector width W (floats per register), with the
+// vector types of GCC's and Clang's vector extension (`a * b + c` acts lane by lane; no
+// intrinsics). simd_call<Kernel>(args...) runs Kernel::run<W>(args...) compiled three times: for
+// every x86-64 CPU (SSE2, W = 4), for AVX2 with FMA (W = 8) and for AVX-512 (W = 16), and picks the
+// widest that simd_level() (common/cpu_features.h) allows. The helpers are always inlined, so each
+// copy is compiled for its instruction set: one binary is fast on a new CPU and correct on an old one.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <utility>
+
+#include "common/cpu_features.h"
+
+namespace cp::kernels {
+
+#define CP_SIMD_INLINE inline __attribute__((always_inline))
+
+/// W floats in one SIMD register (W = 4, 8 or 16).
+template <int W>
+struct FloatVec {
+  typedef float type __attribute__((vector_size(4 * W)));
+};
+template <int W>
+using fvec = typename FloatVec<W>::type;
+
+/// The unsigned 32-bit vector of the same width, for bit manipulation.
+template <int W>
+struct UintVec {
+  typedef uint32_t type __attribute__((vector_size(4 * W)));
+};
+
+/// Floats per vector of type V.
+template <typename V>
+constexpr int lanes_of = sizeof(V) / sizeof(float);
+
+template <typename V>
+CP_SIMD_INLINE V load(const float* p) {
+  V v;
+  std::memcpy(&v, p, sizeof v);  // unaligned: any row start
+  return v;
+}
+template <typename V>
+CP_SIMD_INLINE void store(float* p, V v) {
+  std::memcpy(p, &v, sizeof v);
+}
+/// Every lane equal to x.
+template <typename V>
+CP_SIMD_INLINE V splat(float x) {
+  return V{} + x;
+}
+
+/// The bits of `from` read as a `To` of the same size.
+template <typename To, typename From>
+CP_SIMD_INLINE To bits(From from) {
+  static_assert(sizeof(To) == sizeof(From), "bits: sizes differ");
+  To to;
+  std::memcpy(&to, &from, sizeof to);
+  return to;
+}
+
+/// The larger of a and b, lane by lane, where a NaN in either wins (std::max and maxps drop it).
+template <typename V>
+CP_SIMD_INLINE V max_keep_nan(V a, V b) {
+  return (a > b || a != a) ? a : b;
+}
+
+/// The largest lane; NaN if a lane is NaN.
+template <typename V>
+CP_SIMD_INLINE float max_lane(V v) {
+  float m = v[0];
+#pragma GCC unroll 16
+  for (int k = 1; k < lanes_of<V>; ++k) m = (v[k] > m || v[k] != v[k]) ? v[k] : m;
+  return m;
+}
+
+/// The sum of the lanes.
+template <typename V>
+CP_SIMD_INLINE float sum_lanes(V v) {
+  float s = 0.0f;
+#pragma GCC unroll 16
+  for (int k = 0; k < lanes_of<V>; ++k) s += v[k];
+  return s;
+}
+
+/// e^x lane by lane for the online update's x <= 0 (about 1 ulp): e^-inf = 0 (so is anything
+/// below -87), e^0 = 1, NaN stays NaN (above 88: +inf). Cephes' expf without a branch or a library
+/// call, so it stays in the vector registers (std::exp is one scalar call per element). No
+/// float-to-int conversion: n = round(x log2 e) is read from the low bits of x log2 e + 1.5·2^23.
+template <typename V>
+CP_SIMD_INLINE V exp_nonpos(V x) {
+  using U = typename UintVec<lanes_of<V>>::type;
+  const V magic = splat<V>(12582912.0f);  // 1.5 · 2^23
+  const V t = x * 1.44269504088896341f + magic;
+  const V n = t - magic;
+  const V r = (x - n * 0.693359375f) - n * -2.12194440e-4f;  // x - n ln 2, in two parts
+  V p = splat<V>(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;  // e^r
+  const U two_n = ((bits<U>(t) - 0x4B400000u) + 127u) << 23;  // 2^n, in the exponent field
+  const U keep = bits<U>(!(x < -87.0f));                        // all ones unless x < -87 (NaN: kept)
+  const U big = bits<U>(x > 88.0f);                             // beyond float's range: +inf
+  return bits<V>((bits<U>(p * bits<V>(two_n)) & keep & ~big) | (big & 0x7F800000u));
+}
+
+// The copies of a kernel, one per instruction set. target("...") compiles that function (and
+// everything always inlined into it) for the named instructions; the vector width is the
+// template argument. On other architectures there is one copy, of width 4 (NEON on arm64).
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+template <typename Kernel, typename... Args>
+__attribute__((target("avx512f,avx2,fma"))) void simd_call_avx512(Args&&... args) {
+  Kernel::template run<16>(args...);
+}
+template <typename Kernel, typename... Args>
+__attribute__((target("avx2,fma"))) void simd_call_avx2(Args&&... args) {
+  Kernel::template run<8>(args...);
+}
+#endif
+
+/// Runs Kernel::run<W>(args...) with the widest vectors simd_level() allows.
+template <typename Kernel, typename... Args>
+void simd_call(Args&&... args) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  switch (simd_level()) {
+    case SimdLevel::kAvx512: return simd_call_avx512<Kernel>(std::forward<Args>(args)...);
+    case SimdLevel::kAvx2: return simd_call_avx2<Kernel>(std::forward<Args>(args)...);
+    case SimdLevel::kBaseline: break;
+  }
+#endif
+  Kernel::template run<4>(args...);
+}
+
+}  // namespace cp::kernels
