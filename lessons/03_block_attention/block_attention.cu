@@ -35,7 +35,7 @@ constexpr size_t kSharedBytes = 2 * kBc * Tile<D>::kStride * sizeof(float);  // 
 
 // At least 2 blocks per SM: with float4 loads ptxas would take ~160 registers per thread, which
 // leaves one block of 256 threads (D = 128) per SM and nothing to hide a barrier's wait behind.
-// The price at D = 128: 128 registers and a spill of 64 to 104 bytes (make kernel-stats).
+// The price at D = 128: 128 registers and a spill of 80 to 88 bytes (make kernel-stats).
 template <typename T, int D>
 __global__ void __launch_bounds__(kBr * (D / kSlice), 2)
     block_attention_forward_kernel(const T* __restrict__ q,        // [B, Hq, Sq, D]

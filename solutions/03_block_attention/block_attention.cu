@@ -33,7 +33,7 @@ constexpr size_t kSharedBytes = 2 * kBc * Tile<D>::kStride * sizeof(float);  // 
 
 // At least 2 blocks per SM: with float4 loads ptxas would take ~160 registers per thread, which
 // leaves one block of 256 threads (D = 128) per SM and nothing to hide a barrier's wait behind.
-// The price at D = 128: 128 registers and a spill of 64 to 104 bytes (make kernel-stats).
+// The price at D = 128: 128 registers and a spill of 80 to 88 bytes (make kernel-stats).
 template <typename T, int D>
 __global__ void __launch_bounds__(kBr * (D / kSlice), 2)
     block_attention_forward_kernel(const T* __restrict__ q,        // [B, Hq, Sq, D]
@@ -102,6 +102,12 @@ __global__ void __launch_bounds__(kBr * (D / kSlice), 2)
     // STUB: // TODO(lesson 03, task 3): (a) the tile's scores (dot product, shuffle, mask), then the (m, l, O) update.
     // STUB: // README, "Task 3 — the CUDA kernel and its launch (`block_attention.cu`)", (a): steps 4 and 5.
     // STUB: (void)m, (void)l, (void)my_first, (void)my_last, (void)q_reg;
+    uint32_t visible = 0;  // bit jj: key jj of the tile is in this row's range
+#pragma unroll
+    for (int jj = 0; jj < kBc; ++jj) {  // no shuffle in this loop: two positions per shared load
+      const int64_t pos = kpos_tile[jj];
+      visible |= jj < n && my_first <= pos && pos <= my_last ? 1u << jj : 0u;
+    }
     float s[kBc];
     float tile_max = -INFINITY;
 #pragma unroll
@@ -118,9 +124,7 @@ __global__ void __launch_bounds__(kBr * (D / kSlice), 2)
       }
 #pragma unroll
       for (int offset = kGroup / 2; offset > 0; offset /= 2) part += __shfl_xor_sync(kFullWarp, part, offset);
-      const int64_t pos = kpos_tile[jj];  // read unconditionally: two keys' positions per shared load
-      const bool visible = jj < n && my_first <= pos && pos <= my_last;
-      s[jj] = visible ? part : -INFINITY;
+      s[jj] = (visible >> jj) & 1u ? part : -INFINITY;
       tile_max = (s[jj] > tile_max || s[jj] != s[jj]) ? s[jj] : tile_max;  // NaN wins: fmaxf drops it
     }
     if (tile_max != -INFINITY) {  // same in the whole row group; no barrier or shuffle inside
