@@ -43,11 +43,6 @@ void bench_device(torch::Device device, torch::ScalarType dtype, const char* lab
   }
 }
 
-std::string level_name(cp::SimdLevel level) {
-  const std::string text = cp::describe(level);
-  return text.substr(0, text.find(' '));
-}
-
 }  // namespace
 
 int main() {
@@ -62,7 +57,7 @@ int main() {
               "cp_GB/s", "torch_ms", "torch_GB/s", "copy_GB/s", "speedup", "of_copy");
   for (int level = 0; level <= static_cast<int>(best); ++level) {
     cp::set_simd_level(static_cast<cp::SimdLevel>(level));
-    bench_device(torch::kCPU, torch::kFloat, "cpu", level_name(static_cast<cp::SimdLevel>(level)));
+    bench_device(torch::kCPU, torch::kFloat, "cpu", cp::name(static_cast<cp::SimdLevel>(level)));
   }
   cp::set_simd_level(best);
   const std::string no_gpu = cp::cuda_unavailable_reason();

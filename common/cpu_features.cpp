@@ -26,18 +26,12 @@ SimdLevel level_from_environment() {
   const SimdLevel best = best_simd_level();
   const char* asked = std::getenv("CP_CPU_SIMD");
   if (asked == nullptr || *asked == '\0') return best;
-  SimdLevel want;
-  if (std::strcmp(asked, "baseline") == 0) {
-    want = SimdLevel::kBaseline;
-  } else if (std::strcmp(asked, "avx2") == 0) {
-    want = SimdLevel::kAvx2;
-  } else if (std::strcmp(asked, "avx512") == 0) {
-    want = SimdLevel::kAvx512;
-  } else {
-    CP_FAIL("CP_CPU_SIMD=", asked, ": expected baseline, avx2 or avx512");
+  for (SimdLevel want : {SimdLevel::kBaseline, SimdLevel::kAvx2, SimdLevel::kAvx512}) {
+    if (std::strcmp(asked, name(want)) != 0) continue;
+    CP_CHECK(want <= best, "CP_CPU_SIMD=", asked, ": this CPU supports at most ", describe(best));
+    return want;
   }
-  CP_CHECK(want <= best, "CP_CPU_SIMD=", asked, ": this CPU supports at most ", describe(best));
-  return want;
+  CP_FAIL("CP_CPU_SIMD=", asked, ": expected baseline, avx2 or avx512");
 }
 
 }  // namespace
@@ -66,12 +60,17 @@ int simd_floats(SimdLevel level) {
   return 4;
 }
 
-std::string describe(SimdLevel level) {
+const char* name(SimdLevel level) {
   switch (level) {
-    case SimdLevel::kAvx512: return "avx512 (16 floats, FMA)";
-    case SimdLevel::kAvx2: return "avx2 (8 floats, FMA)";
+    case SimdLevel::kAvx512: return "avx512";
+    case SimdLevel::kAvx2: return "avx2";
     case SimdLevel::kBaseline: break;
   }
+  return "baseline";
+}
+
+std::string describe(SimdLevel level) {
+  if (level != SimdLevel::kBaseline) return std::string(name(level)) + " (" + std::to_string(simd_floats(level)) + " floats, FMA)";
 #if defined(__x86_64__)
   return "baseline (SSE2, 4 floats)";
 #else

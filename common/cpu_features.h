@@ -27,6 +27,9 @@ void set_simd_level(SimdLevel level);
 /// The best level this CPU supports, whatever CP_CPU_SIMD says.
 SimdLevel best_simd_level();
 
+/// "baseline", "avx2" or "avx512": the names CP_CPU_SIMD takes.
+const char* name(SimdLevel level);
+
 /// "baseline (SSE2, 4 floats)", "avx2 (8 floats, FMA)", "avx512 (16 floats, FMA)".
 std::string describe(SimdLevel level);
 

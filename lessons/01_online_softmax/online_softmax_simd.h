@@ -22,6 +22,7 @@ namespace cp::softmax_simd {
 using kernels::exp_nonpos;
 using kernels::fvec;
 using kernels::load;
+using kernels::max_lane;
 using kernels::splat;
 using kernels::sum_lanes;
 using kernels::store;
@@ -75,9 +76,7 @@ struct LaneStates {
     V l_sum = l[0];  // a lane's kUnroll sums share its maximum: plain sums
 #pragma GCC unroll 4
     for (int u = 1; u < kUnroll; ++u) l_sum += l[u];
-    float m_row = m[0];
-#pragma GCC unroll 16
-    for (int k = 1; k < W; ++k) m_row = m[k] > m_row ? m[k] : m_row;
+    const float m_row = max_lane(m);  // a NaN lane makes the sum NaN: the rescan below
     const SoftmaxState state{m_row, sum_lanes(l_sum * exp_nonpos(m - m_row))};
     if (state.l == 0.0f) return SoftmaxState::empty();
     if (state.l != state.l) {
