@@ -10,6 +10,12 @@
 #   make status          per-lesson table of the learner's progress
 #   make compare N=01    learner vs solution: results, errors, timings, diff of filled regions
 #   make sanitize        the solution tests under ASan + UBSan and TSan (build-address/, build-thread/)
+#   make test-pip-torch  (maintainers, CI) the course against pip torch 2.11 (the lent GPU machine's):
+#                        tools/gpu-check --dry-run, then every test that needs no GPU (build-piptorch/)
+#   make gpu-carry       (maintainers) fill .deps/ with what gpu-check needs on a GPU machine without
+#                        network: GoogleTest's sources and Open MPI (README, "CUDA and GPUs")
+#   make gpu-check       (maintainers, on a GPU) the course on the GPU within a deadline; the report in
+#                        docs/gpu-report.md and under $OUT (ARGS="--dry-run --deadline 3000" without one)
 #   make test-debian13   (maintainers, CI; root) the course in Debian 13 roots: make demo, make test
 #                        and the kernel tests on the CPU there, and every solution built against CUDA
 #                        LibTorch + NCCL (build-debian13/); PART=cpu|cuda: one of them; PART=source:
@@ -37,7 +43,7 @@ LESSONS = $$(ls lessons | tr '\n' ' ')
 CMAKE_FLAGS ?=
 CMAKE_ARGS = -G Ninja -DCP_CUDA_ARCHS="$(CP_CUDA_ARCHS)" $(if $(CMAKE_PREFIX_PATH),-DCMAKE_PREFIX_PATH="$(CMAKE_PREFIX_PATH)") $(CMAKE_FLAGS)
 
-.PHONY: setup setup-cuda-cpu configure build test demo train precision plan lesson status compare docs bench mutants skeletons check-skeletons gpu-check kernel-stats sanitize test-debian13 clean need-N
+.PHONY: setup setup-cuda-cpu configure build test demo train precision plan lesson status compare docs bench mutants skeletons check-skeletons gpu-check gpu-carry kernel-stats sanitize test-debian13 test-pip-torch clean need-N
 
 setup:
 	@tools/setup
@@ -159,7 +165,13 @@ check-skeletons:
 	tools/skeleton --check
 
 gpu-check:
-	tools/gpu-check
+	tools/gpu-check $(ARGS)
+
+gpu-carry:
+	tools/gpu-carry
+
+test-pip-torch:
+	tools/test-pip-torch
 
 # (maintainers) without nvcc it prints that nothing was checked and passes; ARGS=--require fails then.
 # ARGS="--arch 90": one architecture; ARGS="--json FILE": the numbers as JSON too.

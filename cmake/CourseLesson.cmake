@@ -15,16 +15,26 @@ endfunction()
 # 1, 2, 3, 4, 8 on the local backend) and <name>_mpi<N> for each N in MPI_RANKS (under mpirun,
 # on the mpi backend). With a CUDA LibTorch the CUDA-tensor suites (names ending in "Cuda") get
 # entries of their own labelled `cuda`, <name>_cuda_local and <name>_cuda_mpi<N>; without one
-# they run inside the CPU entry and skip with the reason. (The nccl backend needs a GPU per rank:
+# they run inside the CPU entry and skip with the reason; SOURCES, the program's test sources, say
+# whether it has such suites (no entry that would select no test). (The nccl backend needs a GPU per rank:
 # tools/gpu-check runs it.) KERNELS: the program has kernel suites (names ending in "Kernels", launch_* on
 # device buffers); with CUDA they get the entry <name>_kernels_<label>, labelled cuda (nvcc) or
 # cuda-cpu (CUDA on the CPU); with CUDA on the CPU the solution's entry fails if a kernel test
 # skipped or none ran (the device always exists there): a kernel that did not run is unverified.
 function(course_register_tests exe name)
-  cmake_parse_arguments(ARG "KERNELS" "" "LABELS;MPI_RANKS" ${ARGN})
+  cmake_parse_arguments(ARG "KERNELS" "" "LABELS;MPI_RANKS;SOURCES" ${ARGN})
   set(env "GTEST_COLOR=no;OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1")
+  # CUDA entries only for a program that has a CUDA-tensor suite: an entry whose filter selects no
+  # test would run nothing and pass.
+  set(cuda_entries OFF)
+  foreach(source IN LISTS ARG_SOURCES)
+    file(STRINGS ${source} cuda_suites REGEX "^[A-Z_]+\\([A-Za-z0-9]*Cuda,")
+    if(cuda_suites AND CP_TORCH_CUDA)
+      set(cuda_entries ON)
+    endif()
+  endforeach()
   set(own_entries "")
-  if(CP_TORCH_CUDA)
+  if(cuda_entries)
     list(APPEND own_entries "*Cuda.*")
   endif()
   set(kernel_entry OFF)
@@ -39,7 +49,7 @@ function(course_register_tests exe name)
   endif()
   add_test(NAME ${name}_local COMMAND ${exe} ${cpu_filter})
   set_tests_properties(${name}_local PROPERTIES LABELS "${ARG_LABELS};local;cpu" TIMEOUT ${CP_TEST_TIMEOUT} ENVIRONMENT "${env}")
-  if(CP_TORCH_CUDA)
+  if(cuda_entries)
     add_test(NAME ${name}_cuda_local COMMAND ${exe} "--gtest_filter=*Cuda.*")
     set_tests_properties(${name}_cuda_local PROPERTIES LABELS "${ARG_LABELS};local;cuda" TIMEOUT ${CP_TEST_TIMEOUT} ENVIRONMENT "${env}")
   endif()
@@ -66,7 +76,7 @@ function(course_register_tests exe name)
       # share the cores with each other's busy-polling as well.
       set_tests_properties(${name}_mpi${np} PROPERTIES LABELS "${ARG_LABELS};mpi;cpu" TIMEOUT ${CP_TEST_TIMEOUT} ENVIRONMENT "${env}"
                            RESOURCE_LOCK mpirun)
-      if(CP_TORCH_CUDA)  # the CUDA-tensor suites on the mpi backend (staged through host memory)
+      if(cuda_entries)  # the CUDA-tensor suites on the mpi backend (staged through host memory)
         add_test(NAME ${name}_cuda_mpi${np}
           COMMAND ${MPIEXEC_EXECUTABLE} ${MPIEXEC_NUMPROC_FLAG} ${np} ${CP_MPIEXEC_FLAGS} $<TARGET_FILE:${exe}> "--gtest_filter=*Cuda.*")
         set_tests_properties(${name}_cuda_mpi${np} PROPERTIES LABELS "${ARG_LABELS};mpi;cuda" TIMEOUT ${CP_TEST_TIMEOUT}
@@ -83,7 +93,8 @@ function(course_add_test)
   add_executable(${ARG_NAME}_test ${ARG_SOURCES})
   target_link_libraries(${ARG_NAME}_test PRIVATE cp_testing)
   course_reuse_pch(${ARG_NAME}_test cp_testing)
-  course_register_tests(${ARG_NAME}_test ${ARG_NAME} LABELS "${ARG_NAME};solution" MPI_RANKS ${ARG_MPI_RANKS})
+  course_register_tests(${ARG_NAME}_test ${ARG_NAME} LABELS "${ARG_NAME};solution" MPI_RANKS ${ARG_MPI_RANKS}
+                        SOURCES ${ARG_SOURCES})
 endfunction()
 
 # nvcc and clang reject different mistakes. When the kernels are built for CUDA on the CPU and
@@ -167,7 +178,8 @@ function(course_add_lesson nn slug)
     else()
       set(kernels "")
     endif()
-    course_register_tests(${lib}_test ${lib} ${kernels} LABELS "lesson${nn};${variant}" MPI_RANKS ${ARG_MPI_RANKS})
+    course_register_tests(${lib}_test ${lib} ${kernels} LABELS "lesson${nn};${variant}" MPI_RANKS ${ARG_MPI_RANKS}
+                          SOURCES ${PROJECT_SOURCE_DIR}/tests/${folder}_test.cpp)
 
     if(EXISTS ${lesson_dir}/demo.cpp)
       add_executable(lesson${nn}_demo_${variant} ${lesson_dir}/demo.cpp)

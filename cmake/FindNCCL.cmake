@@ -1,11 +1,15 @@
 # FindNCCL — finds NCCL next to the CUDA toolkit, under NCCL_ROOT (CMake variable or
-# environment, e.g. the nvidia/nccl folder of a pip torch wheel), or in the system paths.
+# environment, e.g. the nvidia/nccl folder of a pip torch wheel: python3 -c 'import nvidia.nccl;
+# print(nvidia.nccl.__path__[0])'), or in the system paths.
 #
 # Defines NCCL_FOUND, NCCL_VERSION and the imported target NCCL::NCCL.
 find_path(NCCL_INCLUDE_DIR nccl.h
   HINTS ${NCCL_ROOT} $ENV{NCCL_ROOT} ${CUDAToolkit_INCLUDE_DIRS} ${CUDAToolkit_LIBRARY_ROOT}
   PATH_SUFFIXES include)
-find_library(NCCL_LIBRARY NAMES nccl libnccl.so.2
+# NAMES_PER_DIR: the first folder that has either name wins, so NCCL_ROOT's libnccl.so.2 (a wheel
+# ships no libnccl.so) comes before a system libnccl.so of another version, whose header would not
+# be the one found above.
+find_library(NCCL_LIBRARY NAMES nccl libnccl.so.2 NAMES_PER_DIR
   HINTS ${NCCL_ROOT} $ENV{NCCL_ROOT} ${CUDAToolkit_LIBRARY_DIR} ${CUDAToolkit_LIBRARY_ROOT}
   PATH_SUFFIXES lib lib64)
 
