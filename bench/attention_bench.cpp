@@ -19,7 +19,6 @@
 #include <ctime>
 #include <fstream>
 #include <functional>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -69,18 +68,6 @@ std::string cpu_model() {
   return "unknown CPU";
 }
 
-std::vector<int64_t> parse_list(const std::string& text) {
-  std::vector<int64_t> values;
-  std::stringstream in(text);
-  for (std::string item; std::getline(in, item, ',');) {
-    CP_CHECK(!item.empty() && item.find_first_not_of("0123456789") == std::string::npos && std::stoll(item) > 0,
-             "--seq: expected comma-separated positive integers, got '", text, "'");
-    values.push_back(std::stoll(item));
-  }
-  CP_CHECK(!values.empty(), "--seq: no sequence length given");
-  return values;
-}
-
 /// softmax(scale · Q Kᵀ + mask) V, the S × S matrices materialised.
 torch::Tensor torch_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                               const torch::Tensor& hidden, double scale) {
@@ -105,7 +92,7 @@ int main(int argc, char** argv) {
     const int64_t d = cli.get_int("--head-dim");
     CP_CHECK(threads >= 1 && repeats >= 1 && d >= 1, "--threads, --repeats, --head-dim: must be at least 1");
     torch::set_num_threads(threads);
-    const std::vector<int64_t> seqs = parse_list(cli.get("--seq"));
+    const std::vector<int64_t> seqs = cp::bench::positive_list(cli.get("--seq"), "--seq");
 
     const std::time_t now = std::time(nullptr);
     char date[32];

@@ -57,16 +57,6 @@ std::vector<std::string> split(const std::string& text, const char* option) {
   return items;
 }
 
-std::vector<int64_t> int_list(const std::string& text, const char* option) {
-  std::vector<int64_t> values;
-  for (const std::string& item : split(text, option)) {
-    CP_CHECK(!item.empty() && item.find_first_not_of("0123456789") == std::string::npos && std::stoll(item) > 0,
-             option, ": expected comma-separated positive integers, got '", text, "'");
-    values.push_back(std::stoll(item));
-  }
-  return values;
-}
-
 torch::ScalarType dtype_of(const std::string& name) {
   if (name == "float32") return torch::kFloat;
   if (name == "float16") return torch::kHalf;
@@ -256,7 +246,8 @@ int main(int argc, char** argv) {
     for (const std::string& part : parts)
       CP_CHECK(part == "attention" || part == "ring", "--part: expected attention or ring, got '", part, "'");
     for (const std::string& name : dtypes) dtype_of(name);  // every name checked before the first row
-    const std::vector<int64_t> dims = int_list(cli.get("--dims"), "--dims"), seqs = int_list(cli.get("--seq"), "--seq");
+    const std::vector<int64_t> dims = cp::bench::positive_list(cli.get("--dims"), "--dims");
+    const std::vector<int64_t> seqs = cp::bench::positive_list(cli.get("--seq"), "--seq");
     Budget budget{std::stod(cli.get("--seconds"))};
     torch::set_num_threads(1);
 

@@ -1,10 +1,15 @@
-// Timing shared by the benchmarks: medians of alternating runs.
+// What the benchmarks share: medians of alternating runs, and the lists their options take.
 #pragma once
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <functional>
+#include <sstream>
+#include <string>
 #include <vector>
+
+#include "common/error.h"
 
 namespace cp::bench {
 
@@ -30,6 +35,19 @@ inline std::vector<double> median_ms(int repeats, bool warm_up, const std::vecto
     medians.push_back(t[t.size() / 2]);
   }
   return medians;
+}
+
+/// "1024,2048" -> {1024, 2048}: comma-separated positive integers, or a cp::Error naming `option`.
+inline std::vector<int64_t> positive_list(const std::string& text, const char* option) {
+  std::vector<int64_t> values;
+  std::stringstream in(text);
+  for (std::string item; std::getline(in, item, ',');) {
+    CP_CHECK(!item.empty() && item.find_first_not_of("0123456789") == std::string::npos && std::stoll(item) > 0,
+             option, ": expected comma-separated positive integers, got '", text, "'");
+    values.push_back(std::stoll(item));
+  }
+  CP_CHECK(!values.empty(), option, ": no value given");
+  return values;
 }
 
 }  // namespace cp::bench
