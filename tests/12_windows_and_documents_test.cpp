@@ -3,7 +3,9 @@
 // the whole sequence, on every layout, with padding.
 #include <torch/types.h>
 
+#include <iostream>
 #include <numeric>
+#include <utility>
 
 #include "common/error.h"
 #include "common/world.h"
@@ -86,7 +88,9 @@ CP_TEST(Lesson12, Task1_VisibilityMatchesTheDefinition) {
           for (int src = 0; src < world; ++src) {
             const torch::Tensor q = layout_positions(layout, s, world, r);
             const torch::Tensor k = layout_positions(layout, s, world, src);
-            for (const auto& [qs, ks] : {std::pair{q, k}, std::pair{q.narrow(0, 0, 3), k.narrow(0, 2, 4)}}) {
+            // The layouts give ascending positions; the contract takes any order (the reversed pair).
+            for (const auto& [qs, ks] : {std::pair{q, k}, std::pair{q.narrow(0, 0, 3), k.narrow(0, 2, 4)},
+                                         std::pair{q.flip(0), k.flip(0)}}) {
               const Visibility expected = brute_force_visibility(qs, ks, mask, s);
               ++checked[static_cast<int>(expected)];
               EXPECT_EQ(to_string(block_visibility(qs, ks, mask)), to_string(expected))
@@ -137,11 +141,22 @@ int brute_force_steps(const PaddedLayout& layout, const SequenceMask& mask) {
   return last + 1;
 }
 
-/// The padded layouts a test runs for `tokens` tokens on `world` ranks under `mask`.
+/// The padded layouts a test runs for `tokens` tokens on `world` ranks under `mask`. The
+/// per-document zig-zag is task 5's: until it is written, the tests of tasks 2 and 4 run the
+/// three global layouts alone and say so, so that each task's own test answers for that task.
 std::vector<PaddedLayout> layouts_for(int64_t tokens, int world, const SequenceMask& mask) {
   std::vector<PaddedLayout> layouts;
   for (TokenLayout layout : kLayouts) layouts.push_back(padded_layout(layout, tokens, world));
-  if (mask.documents.defined()) layouts.push_back(document_zigzag_layout(mask.documents, world));
+  if (mask.documents.defined()) {
+    try {
+      layouts.push_back(document_zigzag_layout(mask.documents, world));
+    } catch (const NotImplemented&) {
+      static bool said = false;
+      if (!std::exchange(said, true))
+        std::cout << "note: without the per-document zig-zag, which task 5 (document_zigzag_layout) adds once "
+                     "it is written\n";
+    }
+  }
   return layouts;
 }
 

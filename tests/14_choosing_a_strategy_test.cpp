@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -208,6 +209,7 @@ CP_TEST(Lesson14, Task3_PredictedCountsEqualWhatEveryStrategyMeasures) { for_eac
 
 struct Peaks {
   int64_t forward = 0, backward = 0;
+  int64_t saved = 0;  ///< the bytes of the tensors the forward hands to the backward
 };
 
 /// MemoryMeter's peaks of one strategy's forward and of its backward on this rank, for `s`.
@@ -224,6 +226,7 @@ Peaks measure(Comm& comm, const Strategy& strategy, const AttentionShape& s) {
     f = strategy_forward(comm, q, kv, kv, strategy);
     peaks.forward = meter.peak_bytes();
   }
+  for (const torch::Tensor& t : f.saved) peaks.saved += t.numel() * static_cast<int64_t>(t.element_size());
   MemoryMeter meter;
   strategy_backward(comm, dout, f.saved, strategy);
   peaks.backward = meter.peak_bytes();
@@ -245,16 +248,24 @@ void expect_memory_near_meter(Comm& comm) {
     const MemoryEstimate model = attention_memory(run.candidate, s);
     const Peaks peaks = measure(comm, run.strategy, s);
     const std::string at = to_string(run.candidate) + ", rank " + std::to_string(comm.rank()) + " of " + std::to_string(p);
+    // What the forward saves is no estimate: the tensors are there to be counted (to 64 bytes:
+    // Ulysses and the hybrid also keep their K/V head count, one int64).
+    EXPECT_NEAR(static_cast<double>(model.saved_bytes), static_cast<double>(peaks.saved), 64)
+        << at << ": the bytes of the tensors the forward saves";
     // The model counts buffers the code holds; the code may hold more (temporaries): never 10% less.
     EXPECT_GE(peaks.forward, 0.9 * model.forward_bytes) << at << ": MemoryMeter's forward peak against the model";
     EXPECT_GE(peaks.backward, 0.9 * model.backward_bytes) << at << ": MemoryMeter's backward peak against the model";
     // The rings' model counts every buffer of lessons 04 and 05, the merge's temporaries included:
     // within 25% either way (the rest: lse-sized temporaries and the block's bookkeeping).
+    // Llama 3, Ulysses and the hybrid hold temporaries the model leaves out (the all-to-alls'
+    // outgoing and incoming copies above all): up to 4 times the model here (Ulysses on one GPU,
+    // whose split is a copy of everything), 1.8 on two GPUs or more. An upper bound of 4.5 still
+    // fails a model that forgets a strategy's buffers.
     const PlanStrategy kind = run.candidate.strategy;
-    if (kind == PlanStrategy::Ring || kind == PlanStrategy::ZigZagRing || kind == PlanStrategy::StripeRing) {
-      EXPECT_LE(peaks.forward, 1.25 * model.forward_bytes) << at << ": MemoryMeter's forward peak against the model";
-      EXPECT_LE(peaks.backward, 1.25 * model.backward_bytes) << at << ": MemoryMeter's backward peak against the model";
-    }
+    const bool ring = kind == PlanStrategy::Ring || kind == PlanStrategy::ZigZagRing || kind == PlanStrategy::StripeRing;
+    const double most = ring ? 1.25 : 4.5;
+    EXPECT_LE(peaks.forward, most * model.forward_bytes) << at << ": MemoryMeter's forward peak against the model";
+    EXPECT_LE(peaks.backward, most * model.backward_bytes) << at << ": MemoryMeter's backward peak against the model";
   }
 }
 
@@ -406,7 +417,12 @@ CP_TEST(Lesson14, Task4_RecommendsTheFastestThatRunsAndFits) {
   EXPECT_EQ(r.index, 1) << "the zig-zag ring: the fastest that can run and fits in 1000 bytes; reason: " << r.reason;
   EXPECT_NE(r.reason.find("zig-zag ring"), std::string::npos) << "the reason names the choice: " << r.reason;
   EXPECT_NE(r.reason.find("hybrid 2x2"), std::string::npos) << "and the runner-up: " << r.reason;
-  EXPECT_NE(r.reason.find("25.0% slower"), std::string::npos) << "with how much slower it is: " << r.reason;
+  // How much slower, in any format of the percentage: 2.5 ms against 2.0 is 25% slower.
+  std::smatch slower;
+  if (std::regex_search(r.reason, slower, std::regex(R"(([0-9]+(\.[0-9]+)?) ?% slower)")))
+    EXPECT_NEAR(std::stod(slower[1].str()), 25.0, 0.05) << "2.5 ms against 2.0 is 25% slower: " << r.reason;
+  else
+    ADD_FAILURE() << "the reason says how much slower the runner-up is (\"N% slower\"): " << r.reason;
   EXPECT_NE(r.reason.find("Hq = 2 is not divisible by 4"), std::string::npos) << "and what stopped Ulysses: " << r.reason;
   EXPECT_EQ(recommend(predictions, 2, 5000).index, 2) << "with room for Llama 3's gathered K/V, Llama 3";
   // A tie goes to the earlier candidate.

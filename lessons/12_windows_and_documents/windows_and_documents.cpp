@@ -165,9 +165,8 @@ PaddedLayout document_zigzag_layout(const torch::Tensor& documents, int world) {
   std::vector<std::vector<int64_t>> rows(world);
   int64_t next_padding = tokens;  // padding slots get T, T + 1, …
   // BEGIN YOUR CODE task 5: zig-zag per document, padded
-  // TODO(lesson 12, task 5): each document padded to a multiple of 2N, cut into 2N chunks; rank r gets
-  // chunks r and 2N − 1 − r of every document; a padding slot gets the position next_padding++.
-  // README, "Task 5 — `document_zigzag_layout`".
+  // TODO(lesson 12, task 5): every document laid out as lesson 07's zig-zag lays out a sequence, for any
+  // length; padding at positions no document holds. README, "Task 5 — `document_zigzag_layout`".
   (void)cu, (void)next_padding;
   throw NotImplemented("lesson 12, task 5: document_zigzag_layout");
   // END YOUR CODE

@@ -63,7 +63,7 @@ int masked_ring_steps(const RingSchedule& base, const SequenceMask& mask, int wo
 
 /// The ring steps a sliding window of W keys needs (no documents) over S tokens on N ranks in
 /// `layout` (S divisible by N, by 2N for the zig-zag), from the layout alone: equal to
-/// masked_ring_steps of that layout's schedule. README, "How many steps a window needs".
+/// masked_ring_steps of that layout's schedule. README, "A window on the ring".
 int window_ring_steps(TokenLayout layout, int64_t seq, int world, int64_t window);
 
 // ── Task 4: the work model ──────────────────────────────────────────────────────────────────

@@ -18,9 +18,8 @@ TokenShard shard_batch(const torch::Tensor& tokens, TokenLayout layout, int worl
            tokens.dtype(), " ", tokens.sizes());
   CP_CHECK(world >= 1 && rank >= 0 && rank < world, "rank: expected 0 … world − 1 = ", world - 1, ", got ", rank);
   // BEGIN YOUR CODE task 2: shift, then shard
-  // TODO(lesson 13, task 2): the labels of the whole sequence first (the next token, kIgnoreLabel at the
-  // end and before padding), then this rank's tokens, positions and labels under `layout`.
-  // README, "Task 2 — `shard_batch`".
+  // TODO(lesson 13, task 2): this rank's tokens, global positions and labels under `layout`, every token
+  // with the label it has in the whole sequence. README, "Task 2 — `shard_batch`".
   (void)layout, (void)pad_token;
   throw NotImplemented("lesson 13, task 2: shard_batch");
   // END YOUR CODE
@@ -50,8 +49,8 @@ ShardedLoss sharded_cross_entropy(Comm& comm, const torch::Tensor& logits, const
 
 ShardedLoss train_step(Comm& comm, TinyLM& model, torch::optim::Optimizer& optimizer, const TokenShard& shard) {
   // BEGIN YOUR CODE task 4: the training step
-  // TODO(lesson 13, task 4): zero the gradients, forward, the loss, backward, all-reduce the gradients,
-  // step. README, "Task 4 — `train_step`".
+  // TODO(lesson 13, task 4): one optimizer step, the same on every rank and equal to the step on one
+  // device. README, "Task 4 — `train_step`".
   (void)comm, (void)model, (void)optimizer, (void)shard;
   throw NotImplemented("lesson 13, task 4: train_step");
   // END YOUR CODE

@@ -43,7 +43,10 @@ void print_comparison(const cp::AttentionShape& shape, const cp::Cluster& cluste
                 p.forward_ms, p.backward_ms, p.exposed_ms, 100 * p.efficiency());
   }
   const cp::Recommendation r = cp::recommend(predictions, shape.layers, memory_bytes);
-  std::printf("\nrecommended: %s\n", r.reason.c_str());
+  std::printf("\nattention budget per GPU: %.0f GB (--memory-gb; by default the GPU's whole memory, an upper bound:\n"
+              "the weights, gradients, optimizer states and the MLP's activations are not counted)\n",
+              memory_bytes / 1e9);
+  std::printf("recommended: %s\n", r.reason.c_str());
 }
 
 /// ring-flash-attention's README table (8xH800, batch API, forward + backward, Llama-3.1-8B
@@ -140,7 +143,9 @@ void write_charts(const std::string& dir, const std::string& model, const cp::Cl
   }
   cp::write_line_chart(dir + "/overlap.svg", "Zig-zag ring backward, one step, " + model + " on " + cluster.name + " GPUs",
                        tokens, step, "tokens per GPU", "ms", cp::AxisScale::Log, cp::AxisScale::Log);
-  std::printf("\nCharts: %s/efficiency_vs_seq.svg, bytes_vs_gpus.svg, memory_vs_gpus.svg, overlap.svg\n", dir.c_str());
+  std::printf("\nCharts of %s on %s (--cluster, --model choose others): %s/efficiency_vs_seq.svg, overlap.svg;\n"
+              "at 2 to 64 GPUs, any cluster: bytes_vs_gpus.svg, memory_vs_gpus.svg\n",
+              model.c_str(), cluster.name.c_str(), dir.c_str());
 }
 
 }  // namespace
@@ -153,7 +158,8 @@ int main(int argc, char** argv) {
                                {"--model", "llama-3.1-8b", "llama-3.1-8b, llama-3.1-70b or llama-3.1-405b"},
                                {"--seq", "131072", "S: tokens of one sequence"},
                                {"--batch", "1", "sequences per step"},
-                               {"--memory-gb", "", "memory per GPU for attention (default: the GPU's)"},
+                               {"--memory-gb", "", "attention budget per GPU in GB: what the weights, gradients, optimizer states and "
+                                                  "activations leave (default: the GPU's whole memory)"},
                                {"--published", "yes", "yes: also the predictions beside ring-flash-attention's table"},
                                {"--out", "", "folder for the charts (none: no charts)"}});
     if (cli.help_requested()) return 0;

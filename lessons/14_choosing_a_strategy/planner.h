@@ -136,7 +136,7 @@ struct MemoryEstimate {
   int64_t saved_bytes = 0;  ///< what the forward keeps for the backward (q, k, v, out, lse)
 };
 
-/// Task 3. The memory model of `candidate` for `shape` (README, "Memory").
+/// Task 3. The memory model of `candidate` for `shape` (README, "Task 3 — `attention_memory`").
 MemoryEstimate attention_memory(const Candidate& candidate, const AttentionShape& shape);
 
 // ── The prediction (given), and task 4: the choice ──────────────────────────────────────────
@@ -179,8 +179,8 @@ int64_t step_memory(const Prediction& prediction, int64_t layers);
 
 /// Task 4. Of the predictions that can run and whose step_memory fits in `memory_bytes`, the
 /// fastest (forward + backward); ties go to the earlier one. The reason names it, its predicted
-/// efficiency, and the runner-up with how much slower it is; when none can run or fit, the index
-/// is −1 and the reason says what stopped each.
+/// efficiency, and the runner-up with how much slower it is ("N% slower", N in any format); when
+/// none can run or fit, the index is −1 and the reason says what stopped each.
 Recommendation recommend(const std::vector<Prediction>& predictions, int64_t layers, int64_t memory_bytes);
 
 // ── Presets (given) ─────────────────────────────────────────────────────────────────────────

@@ -16,9 +16,8 @@ TokenShard shard_batch(const torch::Tensor& tokens, TokenLayout layout, int worl
            tokens.dtype(), " ", tokens.sizes());
   CP_CHECK(world >= 1 && rank >= 0 && rank < world, "rank: expected 0 … world − 1 = ", world - 1, ", got ", rank);
   // BEGIN SOLUTION task 2: shift, then shard
-  // STUB: // TODO(lesson 13, task 2): the labels of the whole sequence first (the next token, kIgnoreLabel at the
-  // STUB: // end and before padding), then this rank's tokens, positions and labels under `layout`.
-  // STUB: // README, "Task 2 — `shard_batch`".
+  // STUB: // TODO(lesson 13, task 2): this rank's tokens, global positions and labels under `layout`, every token
+  // STUB: // with the label it has in the whole sequence. README, "Task 2 — `shard_batch`".
   // STUB: (void)layout, (void)pad_token;
   // STUB: throw NotImplemented("lesson 13, task 2: shard_batch");
   const int64_t s = tokens.size(1);
@@ -71,8 +70,8 @@ ShardedLoss sharded_cross_entropy(Comm& comm, const torch::Tensor& logits, const
 
 ShardedLoss train_step(Comm& comm, TinyLM& model, torch::optim::Optimizer& optimizer, const TokenShard& shard) {
   // BEGIN SOLUTION task 4: the training step
-  // STUB: // TODO(lesson 13, task 4): zero the gradients, forward, the loss, backward, all-reduce the gradients,
-  // STUB: // step. README, "Task 4 — `train_step`".
+  // STUB: // TODO(lesson 13, task 4): one optimizer step, the same on every rank and equal to the step on one
+  // STUB: // device. README, "Task 4 — `train_step`".
   // STUB: (void)comm, (void)model, (void)optimizer, (void)shard;
   // STUB: throw NotImplemented("lesson 13, task 4: train_step");
   optimizer.zero_grad();

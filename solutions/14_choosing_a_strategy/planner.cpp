@@ -450,7 +450,7 @@ Recommendation recommend(const std::vector<Prediction>& predictions, int64_t lay
     }
     if (step_memory(p, layers) > memory_bytes) {
       stopped += detail::concat(stopped.empty() ? "" : "; ", name, ": needs ", step_memory(p, layers) / 1e9,
-                                " GB of attention memory, ", memory_bytes / 1e9, " GB available");
+                                " GB of attention memory, over the budget of ", memory_bytes / 1e9, " GB");
       continue;
     }
     if (best < 0 || total(i) < total(best)) {

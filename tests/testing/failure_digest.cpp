@@ -30,9 +30,17 @@ std::string location(const ::testing::TestPartResult& part) {
   return std::string(part.file_name() ? part.file_name() : "?") + ":" + std::to_string(part.line_number());
 }
 
-/// gtest's own block for a failure: "file:line: Failure", the message and its traces.
+/// gtest's own block for a failure: "file:line: Failure", the message and its traces (without
+/// a "Google Test trace:" heading that has no trace under it).
 std::string full_report(const ::testing::TestPartResult& part) {
-  return location(part) + ": Failure\n" + part.message() + "\n";
+  std::string message = part.message();
+  const size_t trace_at = message.find("Google Test trace:");
+  if (trace_at != std::string::npos &&
+      message.find_first_not_of(" \n", trace_at + std::string("Google Test trace:").size()) == std::string::npos) {
+    const std::string before = message.substr(0, trace_at);
+    message = before.substr(0, before.find_last_not_of(" \n") + 1);  // npos + 1 = 0: nothing before
+  }
+  return location(part) + ": Failure\n" + message + "\n";
 }
 
 /// One line: where (file name and line), the message with its lines joined, and the

@@ -88,6 +88,11 @@ std::string constant_factor_hint(const double* a, const double* e, int64_t flat,
   }
   if (used < 2 || hi - lo > 1e-3 * std::abs(hi) || std::abs(hi - 1) < 1e-3) return "";
   std::ostringstream out;
+  if (hi == 0) {  // not a factor: nothing reached this row
+    out << "every value of this row is 0: nothing was accumulated into it (was a block skipped, or a step "
+        << "not run, or a result never written back?)";
+    return out.str();
+  }
   out << "every value of this row is " << num(hi, 4) << " × the expected one: right up to one factor per row, "
       << "so the row's normaliser is " << (hi < 1 ? "too large" : "too small")
       << " (a softmax: is l rescaled when the maximum changes? a mean or a gradient averaged over ranks: is "
