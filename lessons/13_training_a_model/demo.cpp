@@ -234,7 +234,6 @@ int main(int argc, char** argv) {
     } else if (run == "precision") {
       cp::PrecisionSetup setup;
       setup.chunk = cli.get_int("--chunk");
-      setup.heads = 2;
       const int max_world = cli.get_int("--max-world");
       CP_CHECK(max_world >= 1 && max_world <= 256, "--max-world ", max_world, " must be 1 … 256");
       run_precision(setup, max_world, out_dir);
