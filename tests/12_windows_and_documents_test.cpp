@@ -191,7 +191,7 @@ Sequence make_sequence(int64_t tokens, uint64_t seed, int64_t d = 32, torch::Sca
 /// out, lse, dq, dk, dv of this rank's real rows (padding rows: out 0, lse −inf, zero gradients).
 /// Returns the forward's and backward's stats.
 std::pair<RingStats, RingStats> check_masked_ring(Comm& comm, const PaddedLayout& layout, const SequenceMask& mask,
-                                                  uint64_t seed) {
+                                                  uint64_t seed, torch::Device device = torch::kCPU) {
   const Sequence seq = make_sequence(layout.tokens, seed);
   const int r = comm.rank();
   const torch::Tensor all = torch::arange(layout.tokens);
@@ -200,11 +200,12 @@ std::pair<RingStats, RingStats> check_masked_ring(Comm& comm, const PaddedLayout
   const auto [out, lse] = testing::oracle_attention(seq.q, seq.k, seq.v, whole, scale);
   const auto [dq, dk, dv] = testing::oracle_attention_grads(seq.q, seq.k, seq.v, seq.dout, whole, scale);
   auto mine = [&](const torch::Tensor& t) { return shard_padded(t, layout, r); };
-  const RingResult f = masked_ring_attention_forward(comm, mine(seq.q), mine(seq.k), mine(seq.v), layout, mask);
-  const RingGrads g = masked_ring_attention_backward(comm, mine(seq.dout), mine(seq.q), mine(seq.k), mine(seq.v),
-                                                     f.out, f.lse, layout, mask);
+  auto on = [&](const torch::Tensor& t) { return mine(t).to(device).contiguous(); };  // the ring's inputs
+  const RingResult f = masked_ring_attention_forward(comm, on(seq.q), on(seq.k), on(seq.v), layout, mask);
+  const RingGrads g = masked_ring_attention_backward(comm, on(seq.dout), on(seq.q), on(seq.k), on(seq.v), f.out,
+                                                     f.lse, layout, mask);
   const std::string what = describe(mask) + ", " + layout.name + ", T = " + std::to_string(layout.tokens) + ", rank " +
-                           std::to_string(r) + " of " + std::to_string(comm.size());
+                           std::to_string(r) + " of " + std::to_string(comm.size()) + ", " + device.str();
   // The oracle's lse of a padding row: −inf, as the ring gives it.
   const torch::Tensor lse_rows = shard_padded(lse.unsqueeze(-1), layout, r).squeeze(-1);
   const torch::Tensor padding = (layout.positions[r] >= layout.tokens).view({1, 1, -1});
@@ -455,6 +456,24 @@ CP_TEST(Lesson12, Task5_BadInputGivesClearErrors) {
            masked_ring_attention_forward(comm, t, t, t, padded_layout(TokenLayout::Contiguous, 8, 2), m);
          });
        }, "mask.documents: must end at the number of tokens T = 8"},
+  });
+}
+
+// ── On CUDA tensors (a GPU) ─────────────────────────────────────────────────────────────────
+
+CP_TEST(Lesson12Cuda, Task2_WindowsAndDocumentsOnCudaTensors) {
+  // The windowed ring and packed documents with padding on CUDA tensors: lesson 03's kernels skip
+  // the tiles outside the window and the documents there, against the same float64 oracle.
+  CP_REQUIRE_GPU();
+  for_each_world([](Comm& comm) {
+    const int n = comm.size();
+    const int64_t chunk = 12, s = 2 * chunk * n;
+    for (const int64_t window : {int64_t{1}, chunk / 2 + 1, s})
+      for (TokenLayout layout : {TokenLayout::Contiguous, TokenLayout::ZigZag})
+        check_masked_ring(comm, padded_layout(layout, s, n), window_mask(window), 86, torch::kCUDA);
+    // Documents whose total is no multiple of 2N: the global zig-zag pads at the end.
+    const SequenceMask documents = document_mask({1, 2 * n - 1, 2 * n, 5 * n + 3}, chunk / 2 + 1);
+    check_masked_ring(comm, padded_layout(TokenLayout::ZigZag, 9 * n + 3, n), documents, 87, torch::kCUDA);
   });
 }
 
