@@ -163,6 +163,19 @@ double forward_flops(const AttentionShape& s) { return 4.0 * s.head_dim; }
 double backward_flops(const AttentionShape& s) { return 10.0 * s.head_dim; }
 
 double compute_ms(double pairs, double flops_per_pair, double tflops) { return pairs * flops_per_pair / (tflops * 1e9); }
+
+/// The throughput of a causal call whose diagonal spans `tokens` query rows (Cluster's rule): the
+/// same rule for the ideal's call over S and for a ring's masked blocks, so that no strategy can
+/// look faster than one GPU only because its blocks are shorter or longer than the figure's.
+double causal_tflops_at(double tflops, double causal_tflops, double tokens, const Cluster& c) {
+  return tflops / (1 + (tflops / causal_tflops - 1) * c.causal_tokens / tokens);
+}
+double forward_causal(double tokens, const Cluster& c) {
+  return causal_tflops_at(c.forward_tflops, c.forward_causal_tflops, tokens, c);
+}
+double backward_causal(double tokens, const Cluster& c) {
+  return causal_tflops_at(c.backward_tflops, c.backward_causal_tflops, tokens, c);
+}
 double memory_ms(double bytes, const Cluster& c) { return bytes / (c.memory_gbytes_per_s * 1e6); }
 
 /// The GPUs first, first + stride, … (`size` of them): do they share one node?
@@ -219,14 +232,14 @@ RingPasses ring_passes(TokenLayout layout, const AttentionShape& s, int ring, in
       const double k_elems = static_cast<double>(s.batch) * b.k_rows * kv_heads * s.head_dim;
       const double merge_fwd = step == 0 ? 0 : memory_ms(q_elems * (2 * f32 + e), c);
       const double merge_bwd = memory_ms((q_elems + 2 * k_elems) * 3 * f32, c);
-      // The block's kernel (the causal one when it has the mask), its call, its merge.
+      // The block's kernel (the causal one, over its rows, when it has the mask), its call, its merge.
       auto block_ms = [&](double flops, double tflops, double causal_tflops, double merge) {
         return compute_ms(work, flops, b.masked ? causal_tflops : tflops) + c.launch_us / 1e3 + merge;
       };
       fwd.compute_ms = std::max(fwd.compute_ms, block_ms(forward_flops(s), c.forward_tflops,
-                                                         c.forward_causal_tflops, merge_fwd));
+                                                         forward_causal(b.q_rows, c), merge_fwd));
       bwd.compute_ms = std::max(bwd.compute_ms, block_ms(backward_flops(s), c.backward_tflops,
-                                                         c.backward_causal_tflops, merge_bwd));
+                                                         backward_causal(b.q_rows, c), merge_bwd));
     }
     if (step + 1 < blocks.size()) {  // the next step's K and V (backward: and the dK, dV behind them)
       fwd.transfer_ms = transfer_ms(2 * kv_chunk * e, 2, link);
@@ -277,8 +290,8 @@ Prediction predict(const Candidate& candidate, const AttentionShape& s, const Cl
   const int64_t e = s.element_size, f32 = sizeof(float), chunk = s.seq / p;
   // One GPU, the whole batch: every visible pair of the causal sequence in one causal call per pass.
   const double all_visible = static_cast<double>(s.seq) * (s.seq + 1) / 2 * s.batch * s.heads_q;
-  pred.ideal_ms = (compute_ms(all_visible, forward_flops(s), c.forward_causal_tflops) +
-                   compute_ms(all_visible, backward_flops(s), c.backward_causal_tflops) + 2 * c.launch_us / 1e3) /
+  pred.ideal_ms = (compute_ms(all_visible, forward_flops(s), forward_causal(s.seq, c)) +
+                   compute_ms(all_visible, backward_flops(s), backward_causal(s.seq, c)) + 2 * c.launch_us / 1e3) /
                   p;
   pred.memory = attention_memory(candidate, s);
   const UlyssesVolume volume = hybrid_volume(s.batch, s.heads_q, s.heads_kv, s.seq, s.head_dim, candidate.mesh, e);
@@ -308,8 +321,10 @@ Prediction predict(const Candidate& candidate, const AttentionShape& s, const Cl
       const double visible = static_cast<double>(busiest) * s.batch * s.heads_q;
       const double gather = ring_collective_ms((p - 1) * kv_shard * e, p, c);
       const double scatter = ring_collective_ms((p - 1) * kv_shard * f32, p, c);
-      pred.forward_ms = gather + compute_ms(visible, forward_flops(s), c.forward_causal_tflops) + 2 * c.launch_us / 1e3;
-      pred.backward_ms = gather + compute_ms(visible, backward_flops(s), c.backward_causal_tflops) +
+      // Two causal calls per pass, one per query chunk of S/(2P) rows.
+      const double rows = static_cast<double>(s.seq) / (2 * p);
+      pred.forward_ms = gather + compute_ms(visible, forward_flops(s), forward_causal(rows, c)) + 2 * c.launch_us / 1e3;
+      pred.backward_ms = gather + compute_ms(visible, backward_flops(s), backward_causal(rows, c)) +
                          2 * c.launch_us / 1e3 + scatter;
       pred.exposed_ms = 2 * gather + scatter;
       break;
@@ -331,8 +346,8 @@ Prediction predict(const Candidate& candidate, const AttentionShape& s, const Cl
         const double visible = static_cast<double>(s.seq) * (s.seq + 1) / 2 * s.batch * (s.heads_q / pu);
         pred.pairs = s.batch * s.seq * s.seq / pu;
         pred.imbalance = 1;
-        pred.forward_ms += compute_ms(visible, forward_flops(s), c.forward_causal_tflops) + c.launch_us / 1e3;
-        pred.backward_ms += compute_ms(visible, backward_flops(s), c.backward_causal_tflops) + c.launch_us / 1e3;
+        pred.forward_ms += compute_ms(visible, forward_flops(s), forward_causal(s.seq, c)) + c.launch_us / 1e3;
+        pred.backward_ms += compute_ms(visible, backward_flops(s), backward_causal(s.seq, c)) + c.launch_us / 1e3;
       } else {
         const RingPasses r = ring_passes(TokenLayout::ZigZag, s, pr, s.heads_q / pu, kv_heads,
                                          one_node(c, 0, pu, pr) ? c.intra : c.inter, c);

@@ -48,10 +48,15 @@ struct Cluster {
   int gpus_per_node = 1;
   int nodes = 1;
   /// FlashAttention's throughput on one GPU, in useful TFLOP/s (1e12 FLOP/s, masked pairs not
-  /// counted): forward on blocks without a mask, and with the causal mask (the kernel's masked
-  /// tiles and its tail make it slower per useful FLOP); backward likewise.
+  /// counted): forward on blocks without a mask, and with the causal mask on a sequence of
+  /// `causal_tokens` (the kernel's tiles on the diagonal make it slower per useful FLOP); backward
+  /// likewise. The diagonal's tiles grow as S and the work as S², so a causal call over n tokens
+  /// runs at tflops / (1 + (tflops / causal_tflops − 1) · causal_tokens / n): slower below
+  /// causal_tokens, nearer the unmasked figure above. predict uses this rule for every causal
+  /// call, the ideal's over S included.
   double forward_tflops = 0, forward_causal_tflops = 0;
   double backward_tflops = 0, backward_causal_tflops = 0;
+  double causal_tokens = 8192;     ///< the sequence length at which the causal figures hold
   double memory_gbytes_per_s = 0;  ///< HBM bandwidth: the merges of partial results are bound by it
   double launch_us = 0;            ///< fixed cost of one attention call (launch, first and last waves)
   Link intra;                      ///< between GPUs of one node (NVLink)
@@ -154,7 +159,7 @@ struct Prediction {
   double forward_ms = 0;        ///< one layer, transfers overlapped where the strategy can
   double backward_ms = 0;
   double exposed_ms = 0;        ///< of forward + backward, time spent waiting for transfers
-  double ideal_ms = 0;          ///< one GPU's forward + backward of the whole batch, / P
+  double ideal_ms = 0;          ///< one GPU's forward + backward of the whole batch (causal calls over S), / P
   double efficiency() const { return ideal_ms / (forward_ms + backward_ms); }
 };
 
