@@ -66,7 +66,8 @@ void print_published() {
   const cp::Cluster& h800 = cp::cluster_preset("h800x8");
   const cp::AttentionShape shape = cp::model_preset("llama-3.1-8b", 8 * 8192);
   std::printf("\nAgainst published measurements: ring-flash-attention's README, 8xH800, forward + backward,\n"
-              "Llama-3.1-8B attention, 8k tokens per GPU (S = 65536), as a fraction of the ideal\n");
+              "Llama-3.1-8B attention, 8k tokens per GPU (S = 65536), as a fraction of their ideal (one GPU's\n"
+              "flash_attn on its own 8k tokens, divided by 8)\n");
   std::printf("# %-14s %10s %10s %10s\n", "strategy", "published", "predicted", "difference");
   // Their ideal's base: flash_attn forward + backward on one GPU's 8k tokens, 154.7 iter/s.
   const cp::AttentionShape one = cp::model_preset("llama-3.1-8b", 8192);
