@@ -37,16 +37,23 @@ inline std::vector<double> median_ms(int repeats, bool warm_up, const std::vecto
   return medians;
 }
 
+/// "a,b" -> {"a", "b"}: a comma-separated list, or a cp::Error naming `option` when it is empty.
+inline std::vector<std::string> split_list(const std::string& text, const char* option) {
+  std::vector<std::string> items;
+  std::stringstream in(text);
+  for (std::string item; std::getline(in, item, ',');) items.push_back(item);
+  CP_CHECK(!items.empty(), option, ": no value given");
+  return items;
+}
+
 /// "1024,2048" -> {1024, 2048}: comma-separated positive integers, or a cp::Error naming `option`.
 inline std::vector<int64_t> positive_list(const std::string& text, const char* option) {
   std::vector<int64_t> values;
-  std::stringstream in(text);
-  for (std::string item; std::getline(in, item, ',');) {
+  for (const std::string& item : split_list(text, option)) {
     CP_CHECK(!item.empty() && item.find_first_not_of("0123456789") == std::string::npos && std::stoll(item) > 0,
              option, ": expected comma-separated positive integers, got '", text, "'");
     values.push_back(std::stoll(item));
   }
-  CP_CHECK(!values.empty(), option, ": no value given");
   return values;
 }
 

@@ -42,4 +42,12 @@ int CommandLine::get_int(const std::string& name) const {
   CP_FAIL(name, ": expected an integer, got '", text, "'");
 }
 
+c10::ScalarType parse_dtype(const std::string& name, const std::string& option) {
+  if (name == "float32") return c10::kFloat;
+  if (name == "float64") return c10::kDouble;
+  if (name == "float16") return c10::kHalf;
+  if (name == "bfloat16") return c10::kBFloat16;
+  CP_FAIL(option, ": expected float32, float64, float16 or bfloat16, got '", name, "'");
+}
+
 }  // namespace cp

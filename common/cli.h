@@ -2,6 +2,8 @@
 // --help that lists them. Unknown options are a cp::Error naming them.
 #pragma once
 
+#include <c10/core/ScalarType.h>
+
 #include <map>
 #include <string>
 #include <vector>
@@ -28,5 +30,9 @@ class CommandLine {
   std::map<std::string, std::string> values_;
   bool help_ = false;
 };
+
+/// "float32", "float64", "float16" or "bfloat16" as a dtype; anything else is a cp::Error naming
+/// `option` (e.g. "--dtype").
+c10::ScalarType parse_dtype(const std::string& name, const std::string& option);
 
 }  // namespace cp

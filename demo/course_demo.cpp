@@ -428,14 +428,6 @@ bool report_layer(const Problem& p, int64_t seq, const std::vector<DemoStrategy>
   return all_ok;
 }
 
-torch::ScalarType parse_dtype(const std::string& name) {
-  if (name == "float32") return torch::kFloat;
-  if (name == "float64") return torch::kDouble;
-  if (name == "float16") return torch::kHalf;
-  if (name == "bfloat16") return torch::kBFloat16;
-  CP_FAIL("--dtype: expected float32, float64, float16 or bfloat16, got '", name, "'");
-}
-
 /// The same cp::ErrorOnEveryRank on every rank (all check the same arguments): nobody waits.
 void check_on_every_rank(bool ok, const std::string& message) {
   if (!ok) throw cp::ErrorOnEveryRank(message, __FILE__, __LINE__);
@@ -473,7 +465,7 @@ int main(int argc, char** argv) {
                           cli.get_int("--seq"),
                           cli.get_int("--dim"),
                           cuda ? torch::Device(torch::kCUDA) : torch::Device(torch::kCPU),
-                          parse_dtype(cli.get("--dtype"))};
+                          cp::parse_dtype(cli.get("--dtype"), "--dtype")};
     const int64_t layer_seq = cli.get_int("--layer-seq");
     // Up front, before any work: a wrong shape must be an error, never a table of wrong numbers.
     CP_CHECK(problem.batch >= 1 && problem.heads_q >= 1 && problem.heads_kv >= 1 && problem.dim >= 1 &&
