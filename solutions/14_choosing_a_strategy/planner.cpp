@@ -177,48 +177,58 @@ MemoryEstimate attention_memory(const Candidate& candidate, const AttentionShape
   // STUB: throw NotImplemented("lesson 14, task 3: attention_memory");
   // A float32 result converted to the inputs' dtype: a copy, except when they are float32.
   const int64_t cast = e == f32 ? 0 : e;
+  // A ring over `kv_n` K/V elements. Forward: float32 out and lse accumulators, two K/V buffers
+  // (one arriving while the other is in use), one block's out and lse, and lesson 03's merge,
+  // which computes the new out out of place (two weighted float32 terms and their sum).
+  // Backward: float32 dq, two K/V buffers and two float32 dK/dV buffers (they travel together),
+  // one block's gradients, the casts.
+  auto ring_forward = [&](int64_t kv_n) { return (q + lse) * f32 + 2 * 2 * kv_n * e + q * e + lse * f32 + 3 * q * f32; };
+  auto ring_backward = [&](int64_t kv_n) { return q * f32 + 2 * 2 * kv_n * (e + f32) + (q + 2 * kv_n) * (f32 + cast); };
   switch (candidate.strategy) {
     case PlanStrategy::Ring:
     case PlanStrategy::ZigZagRing:
     case PlanStrategy::StripeRing:
-      // Forward: float32 out and lse accumulators, two K/V buffers (one arriving while the other is
-      // in use), one block's out and lse, and lesson 03's merge, which computes the new out out of
-      // place (two weighted float32 terms and their sum). Backward: float32 dq, two K/V buffers
-      // and two float32 dK/dV buffers (they travel together), one block's gradients, the casts.
-      m.forward_bytes = (q + lse) * f32 + 2 * 2 * kv * e + q * e + lse * f32 + 3 * q * f32;
-      m.backward_bytes = q * f32 + 2 * 2 * kv * (e + f32) + (q + 2 * kv) * (f32 + cast);
+      m.forward_bytes = ring_forward(kv);
+      m.backward_bytes = ring_backward(kv);
       break;
     case PlanStrategy::Llama3: {
       // The whole sequence's K/V, gathered in rank order and then put in document order: two
-      // copies while it is reordered, in both passes. Backward: a call's rows of it (a copy) and
-      // their float32 dK, dV (computed, then stacked: two copies), the whole float32 gradient
-      // (in document order, then in rank order for the reduce-scatter: two more), this GPU's
-      // share, and dq. Both: lesson 09's layer packs its inputs ([B, H, S/P, D] to lesson 08's
-      // varlen [T/P, H, D]: q, k, v forward; dout, q, k, v, out backward).
+      // copies while it is reordered, in both passes. Forward, after the gather: out, and a
+      // call's queries (copied out of the packed rows, made contiguous for the kernel, its out):
+      // three out-sized tensors beside the gathered K/V. Backward: a call's rows of it (a copy)
+      // and their float32 dK, dV (computed, then stacked: two copies), the whole float32
+      // gradient (in document order, then in rank order for the reduce-scatter: two more), this
+      // GPU's share, and dq. Both: lesson 09's layer packs its inputs ([B, H, S/P, D] to lesson
+      // 08's varlen [T/P, H, D]: q, k, v forward; dout, q, k, v, out backward).
       const int64_t gathered = 2 * kv * p;
-      m.forward_bytes = (q + 2 * kv) * e + 2 * gathered * e + q * e + lse * f32;
+      m.forward_bytes = (q + 2 * kv) * e + std::max(2 * gathered, gathered + 3 * q) * e + lse * f32;
       m.backward_bytes = (3 * q + 2 * kv) * e + 2 * gathered * e + 4 * gathered * f32 + 2 * kv * f32 + q * f32 +
                          (q + 2 * kv) * cast;
       break;
     }
     case PlanStrategy::Ulysses:
     case PlanStrategy::Hybrid: {
-      // Head-split copies of q, k, v (K/V replicated when P_u > Hkv) and of out and lse on their
-      // way back: as many elements as the shards (none on a group of one GPU, where the split is
-      // the shard itself). The hybrid adds its ring's buffers, over the group's S/P_r tokens of
-      // H/P_u heads: as many elements as this GPU's share.
+      // Head-split copies of q, k, v (K/V replicated first when P_u > Hkv: two more copies), and
+      // of out and lse on their way back: as many elements as the shards. An all-to-all holds
+      // three copies of what it moves while it runs (reordered to go out, arrived, reordered
+      // back); the largest it moves is out forward, dq backward. On a group of one GPU the split
+      // is the shard itself: no copy at all. Between the all-to-alls, the attention: Ulysses'
+      // out and lse, or the gradients; the hybrid's ring over the group's S/P_r tokens of H/P_u
+      // heads (as many elements as this GPU's share), whose buffers are gone when out or dq
+      // leaves. The peak is the larger of the two moments.
       std::string why;
       const int64_t kvh = kv_heads_per_gpu(shape, candidate.mesh.ulysses, why);
       CP_CHECK(kvh >= 0, "candidate: ", why);
       const int64_t kv_split = shape.batch * chunk * candidate.mesh.ulysses * kvh * shape.head_dim;
       const int64_t split = candidate.mesh.ulysses > 1 ? 1 : 0;
+      const int64_t replicas = kv_split != kv ? 2 * kv_split : 0;
+      const bool ring = candidate.mesh.ring > 1;
+      const int64_t all_to_all_back = split * (ring ? 4 : 3) * q * e;  // out forward, dq backward
+      const int64_t result = q * e + lse * f32, grads = (q + 2 * kv_split) * (f32 + cast);
       m.saved_bytes = (2 * q + 2 * kv_split) * e + lse * f32;
-      m.forward_bytes = split * (q + 2 * kv_split) * e + q * e + lse * f32 + split * (q * e + lse * f32);
-      m.backward_bytes = split * q * e + (q + 2 * kv_split) * (f32 + cast) + split * (q + 2 * kv_split) * e;
-      if (candidate.mesh.ring > 1) {
-        m.forward_bytes += (q + lse) * f32 + 2 * 2 * kv_split * e;
-        m.backward_bytes += q * f32 + 2 * 2 * kv_split * (e + f32);
-      }
+      m.forward_bytes = (replicas + split * (q + 2 * kv_split)) * e +
+                        std::max(ring ? ring_forward(kv_split) : result, result + all_to_all_back);
+      m.backward_bytes = split * q * e + std::max(ring ? ring_backward(kv_split) : grads, grads + all_to_all_back);
       break;
     }
   }
