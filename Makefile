@@ -6,6 +6,7 @@
 #   make train           lesson 13: a small language model trained on N simulated ranks beside one device (solution)
 #   make precision       lesson 13: the bfloat16 ring's error against float64 as the ring grows (solution)
 #   make plan            lesson 14: cp_plan, every strategy and mesh predicted for a model on a cluster (solution)
+#   make serve           lesson 15: the two prefills at several hit rates, the choice, decode steps (solution)
 #   make lesson N=01     build and run the learner tests of one lesson (then under mpirun, once they pass)
 #   make status          per-lesson table of the learner's progress
 #   make compare N=01    learner vs solution: results, errors, timings, diff of filled regions
@@ -43,7 +44,7 @@ LESSONS = $$(ls lessons | tr '\n' ' ')
 CMAKE_FLAGS ?=
 CMAKE_ARGS = -G Ninja -DCP_CUDA_ARCHS="$(CP_CUDA_ARCHS)" $(if $(CMAKE_PREFIX_PATH),-DCMAKE_PREFIX_PATH="$(CMAKE_PREFIX_PATH)") $(CMAKE_FLAGS)
 
-.PHONY: setup setup-cuda-cpu configure build test demo train precision plan lesson status compare docs bench mutants skeletons check-skeletons gpu-check gpu-carry kernel-stats sanitize test-debian13 test-pip-torch clean need-N
+.PHONY: setup setup-cuda-cpu configure build test demo train precision plan serve lesson status compare docs bench mutants skeletons check-skeletons gpu-check gpu-carry kernel-stats sanitize test-debian13 test-pip-torch clean need-N
 
 setup:
 	@tools/setup
@@ -92,6 +93,10 @@ precision: setup $(BUILD)/build.ninja
 plan: setup $(BUILD)/build.ninja
 	cmake --build $(BUILD) -j $(JOBS) --target lesson14_demo_solution
 	$(BUILD)/bin/cp_plan --out $(BUILD)/lesson14 $(ARGS)
+
+serve: setup $(BUILD)/build.ninja
+	cmake --build $(BUILD) -j $(JOBS) --target lesson15_demo_solution
+	$(BUILD)/bin/lesson15_demo_solution $(ARGS)
 
 need-N:
 	@[ -n "$(NN)" ] && ls -d lessons/$(NN)_* >/dev/null 2>&1 || { \

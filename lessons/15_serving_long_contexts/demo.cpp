@@ -1,0 +1,166 @@
+// Lesson 15 demo: the two prefills at several cache hit rates on N simulated ranks (bytes, time,
+// every row checked against one-device attention), the planner's choice between them for a
+// Llama-3.1-70B layer on one H100 node, and decode steps merged by a gather and by a tree.
+//
+//   make serve        (= build/bin/lesson15_demo_solution)
+#include <torch/types.h>
+#include <torch/utils.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+
+#include "common/cli.h"
+#include "common/error.h"
+#include "common/world.h"
+#include "serving.h"
+
+namespace {
+
+constexpr int64_t kHeadsQ = 8, kHeadsKv = 2, kDim = 64;  // the shapes of the measured runs
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+/// Causal attention of the whole sequence on one device, in float64: the reference of every row.
+cp::AttnResult one_device(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+  return cp::attention_block_forward(q.to(torch::kDouble), k.to(torch::kDouble), v.to(torch::kDouble),
+                                     cp::causal_mask(true));
+}
+
+void prefill_table(int64_t fresh, int world) {
+  std::printf("Prefill of T = %lld new tokens after P cached (a cache that grew round robin), N = %d ranks (threads),"
+              " Hq %lld, Hkv %lld, D %lld, float32\n",
+              (long long)fresh, world, (long long)kHeadsQ, (long long)kHeadsKv, (long long)kDim);
+  std::printf("# %8s %8s %6s %-8s %10s %9s %9s  %s\n", "hit", "P", "T", "variant", "MiB_sent", "ms", "max_err", "check");
+  for (double hit : {0.0, 0.5, 0.9, 0.99}) {
+    const int64_t cached = static_cast<int64_t>(std::llround(fresh * hit / (1 - hit)));
+    const int64_t length = cached + fresh;
+    torch::manual_seed(15);
+    const torch::Tensor q = torch::randn({1, kHeadsQ, length, kDim}), k = torch::randn({1, kHeadsKv, length, kDim}),
+                        v = torch::randn({1, kHeadsKv, length, kDim});
+    const cp::AttnResult expected = one_device(q, k, v);
+    for (cp::PrefillVariant variant : {cp::PrefillVariant::PassKV, cp::PrefillVariant::PassQ}) {
+      std::vector<int64_t> bytes(world);
+      std::vector<double> error(world), ms(world);
+      cp::run_local_world(world, [&](cp::Comm& comm) {
+        const int r = comm.rank();
+        const torch::Tensor held = torch::arange(r, std::max<int64_t>(cached, r), world, torch::kLong);
+        cp::KvCacheShard cache{k.index_select(2, held), v.index_select(2, held), held};
+        const torch::Tensor mine = cp::prefill_positions(cached, fresh, world, r);
+        auto pick = [&](const torch::Tensor& t) { return t.index_select(2, mine); };
+        comm.barrier();
+        const auto start = std::chrono::steady_clock::now();
+        const cp::PrefillResult result =
+            variant == cp::PrefillVariant::PassKV
+                ? cp::pass_kv_prefill(comm, pick(q), pick(k), pick(v), mine, cache)
+                : cp::pass_q_prefill(comm, pick(q), pick(k), pick(v), mine, cache);
+        ms[r] = 1e3 * seconds_since(start);
+        bytes[r] = result.bytes_sent;
+        error[r] = (result.out.to(torch::kDouble) - expected.out.index_select(2, mine)).abs().max().item<double>();
+      });
+      const double worst = *std::max_element(error.begin(), error.end());
+      std::printf("  %7.0f%% %8lld %6lld %-8s %10.3f %9.1f %9.1e  %s\n", 100 * hit, (long long)cached, (long long)fresh,
+                  cp::to_string(variant).c_str(), *std::max_element(bytes.begin(), bytes.end()) / 1048576.0,
+                  *std::max_element(ms.begin(), ms.end()), worst, worst < 1e-4 ? "ok" : "WRONG");
+    }
+  }
+  std::printf("MiB_sent, ms: the busiest rank. max_err: largest |out − one device's float64 out|.\n\n");
+}
+
+void choice_table() {
+  const cp::Cluster& cluster = cp::cluster_preset("h100x8");
+  const int64_t context = 131072;
+  std::printf("The choice (task 4) for one Llama-3.1-70B layer (Hq 64, Hkv 8, D 128, bfloat16) on %s, "
+              "P + T = %lld tokens\n", cluster.name.c_str(), (long long)context);
+  std::printf("# %8s %8s %8s %11s %11s  %s\n", "hit", "P", "T", "pass-KV_ms", "pass-Q_ms", "choice");
+  for (double hit : {0.0, 0.5, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999}) {
+    const int64_t fresh = std::max<int64_t>(1, std::llround(context * (1 - hit)));
+    const cp::PrefillChoice c = cp::choose_prefill({fresh, context - fresh, 64, 8, 128, 2, 8}, cluster);
+    std::printf("  %7.1f%% %8lld %8lld %11.3f %11.3f  %s\n", 100 * hit, (long long)(context - fresh), (long long)fresh,
+                c.pass_kv_ms, c.pass_q_ms, cp::to_string(c.choice).c_str());
+  }
+  std::printf("(the model of task 4: predictions, not runs)\n\n");
+}
+
+void decode_table(int world, int64_t batch, int64_t length, int steps) {
+  std::printf("Decode: %lld sequences of about %lld tokens, cache round robin over N = %d ranks (threads), %d steps\n",
+              (long long)batch, (long long)length, world, steps);
+  std::printf("# %-7s %9s %12s %8s %12s  %s\n", "merge", "tokens/s", "bytes/step", "rounds", "cache_GB/s", "check");
+  torch::manual_seed(16);
+  std::vector<int64_t> lengths;
+  for (int64_t b = 0; b < batch; ++b) lengths.push_back(length / 2 + b * length / batch);
+  std::vector<torch::Tensor> ks, vs;
+  for (int64_t len : lengths) {
+    ks.push_back(torch::randn({1, kHeadsKv, len + steps, kDim}));
+    vs.push_back(torch::randn({1, kHeadsKv, len + steps, kDim}));
+  }
+  const torch::Tensor queries = torch::randn({steps, batch, kHeadsQ, 1, kDim});
+  std::vector<torch::Tensor> last_out(2);
+  for (cp::DecodeMerge merge : {cp::DecodeMerge::Gather, cp::DecodeMerge::Tree}) {
+    std::vector<double> seconds(world);
+    std::vector<int64_t> bytes(world), rounds(world), cached_bytes(world);
+    cp::run_local_world(world, [&](cp::Comm& comm) {
+      const int r = comm.rank();
+      std::vector<cp::KvCacheShard> caches;
+      for (int64_t b = 0; b < batch; ++b) {
+        const torch::Tensor held = torch::arange(r, std::max<int64_t>(lengths[b], r), world, torch::kLong);
+        caches.push_back({ks[b].index_select(2, held), vs[b].index_select(2, held), held});
+      }
+      comm.barrier();
+      const auto start = std::chrono::steady_clock::now();
+      cp::DecodeResult result;
+      for (int s = 0; s < steps; ++s) {
+        std::vector<torch::Tensor> k, v;
+        std::vector<int64_t> at;
+        for (int64_t b = 0; b < batch; ++b) {
+          at.push_back(lengths[b] + s);
+          k.push_back(ks[b].narrow(2, lengths[b] + s, 1));
+          v.push_back(vs[b].narrow(2, lengths[b] + s, 1));
+        }
+        result = cp::decode_step(comm, queries[s], torch::cat(k), torch::cat(v), torch::tensor(at), caches, merge);
+      }
+      seconds[r] = seconds_since(start);
+      bytes[r] = result.bytes_sent;
+      rounds[r] = result.rounds;
+      for (const cp::KvCacheShard& c : caches) cached_bytes[r] += 2 * c.k.numel() * c.k.element_size();
+      if (r == 0) last_out[merge == cp::DecodeMerge::Gather ? 0 : 1] = result.out;
+    });
+    const double slowest = *std::max_element(seconds.begin(), seconds.end());
+    const double read_per_step = *std::max_element(cached_bytes.begin(), cached_bytes.end());
+    const bool same = merge == cp::DecodeMerge::Gather || torch::allclose(last_out[0], last_out[1], 1e-5, 1e-6);
+    std::printf("  %-7s %9.0f %12lld %8lld %12.2f  %s\n", cp::to_string(merge).c_str(), steps * batch / slowest,
+                (long long)*std::max_element(bytes.begin(), bytes.end()),
+                (long long)*std::max_element(rounds.begin(), rounds.end()), read_per_step * steps / slowest / 1e9,
+                merge == cp::DecodeMerge::Gather ? "" : same ? "ok (= gather)" : "DIFFERS from gather");
+  }
+  std::printf("bytes/step: the busiest rank's, last step. cache_GB/s: K/V bytes of the busiest rank's shards read per"
+              " second (about; the shards grow during the run).\n");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return cp::run_main([&] {
+    const cp::CommandLine cli(argc, argv, "Context parallelism for serving: prefills and decode.",
+                              {{"--new", "256", "new tokens T of the prefill table"},
+                               {"--world", "4", "ranks N (simulated: threads of this process)"},
+                               {"--batch", "8", "sequences in the decode table"},
+                               {"--context", "2048", "about how many tokens each decoded sequence holds"}});
+    if (cli.help_requested()) return 0;
+    torch::set_num_threads(1);
+    const int world = cli.get_int("--world");
+    CP_CHECK(world >= 1 && world <= 64, "--world ", world, " must be 1 … 64");
+    const int64_t fresh = cli.get_int("--new"), batch = cli.get_int("--batch"), context = cli.get_int("--context");
+    CP_CHECK(fresh >= 1 && fresh <= 65536, "--new ", fresh, " must be 1 … 65536");
+    CP_CHECK(batch >= 1 && context >= 2, "--batch ", batch, " and --context ", context, " must be at least 1 and 2");
+    prefill_table(fresh, world);
+    choice_table();
+    decode_table(world, batch, context, 16);
+    return 0;
+  }, [](const cp::NotImplemented& e) {
+    std::printf("\nThis demo runs your lesson 15 code, which is not written yet:\n  %s\n", e.what());
+  });
+}

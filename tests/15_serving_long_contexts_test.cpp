@@ -1,0 +1,352 @@
+// Lesson 15 — serving long contexts: the prefills and decode against float64 attention over the
+// whole sequence on one device, the cache's contents and every byte sent, on local worlds of 1,
+// 2, 3, 4 and 8 ranks and under mpirun.
+#include <torch/types.h>
+
+#include <cmath>
+#include <numeric>
+
+#include "common/error.h"
+#include "serving.h"
+#include "testing/harness.h"
+#include "testing/oracle.h"
+
+namespace cp {
+namespace {
+
+using testing::expect_error;
+using testing::for_each_world;
+using testing::oracle_attention;
+
+const std::vector<std::string> kDims = {"b", "h", "s", "d"};
+
+std::string where(const Comm& comm) { return "rank " + std::to_string(comm.rank()) + " of " + std::to_string(comm.size()); }
+
+/// A whole sequence [1, H, L, D] in float64 (the same on every rank: fixed seed).
+struct Sequence {
+  torch::Tensor q, k, v;
+};
+
+Sequence make_sequence(int64_t length, int64_t heads_q, int64_t heads_kv, int64_t head_dim, uint64_t seed) {
+  torch::Generator gen = at::detail::createCPUGenerator(seed);
+  const auto f64 = torch::TensorOptions().dtype(torch::kDouble);
+  return {torch::randn({1, heads_q, length, head_dim}, gen, f64), torch::randn({1, heads_kv, length, head_dim}, gen, f64),
+          torch::randn({1, heads_kv, length, head_dim}, gen, f64)};
+}
+
+/// The tokens of the sequence at `positions` (dim 2), in float32.
+torch::Tensor at_positions(const torch::Tensor& t, const torch::Tensor& positions) {
+  return t.index_select(2, positions).to(torch::kFloat);
+}
+
+/// The test's own layout of a prefill's new tokens (the definition, token by token): token i of
+/// T lies in part ⌊…⌋ of 2N nearly equal parts; rank r owns parts r and 2N − 1 − r.
+torch::Tensor reference_prefill_positions(int64_t first, int64_t count, int world, int rank) {
+  std::vector<int64_t> mine;
+  const int64_t parts = 2 * world;
+  for (int64_t i = 0; i < count; ++i) {
+    int64_t part = 0;
+    while ((part + 1) * count / parts <= i) ++part;
+    if (part == rank || part == parts - 1 - rank) mine.push_back(first + i);
+  }
+  return torch::tensor(mine, torch::kLong);
+}
+
+/// Positions rank r of N holds of the first `length` tokens when each went to rank t mod N.
+torch::Tensor held_round_robin(int64_t length, int world, int rank) {
+  return torch::arange(rank, std::max<int64_t>(length, rank), world, torch::kLong);
+}
+
+/// A cache that grew one token at a time (decode): token t on rank t mod N.
+KvCacheShard round_robin_cache(const Sequence& seq, int64_t cached, const Comm& comm) {
+  const torch::Tensor positions = held_round_robin(cached, comm.size(), comm.rank());
+  return {at_positions(seq.k, positions), at_positions(seq.v, positions), positions};
+}
+
+// ── Task 1 ──────────────────────────────────────────────────────────────────────────────────
+
+CP_TEST(Lesson15, Task1_PrefillPositionsSplitTheNewTokensEvenly) {
+  for (int world : {1, 2, 3, 4, 8}) {
+    for (int64_t count : {0, 1, 5, 16, 37, 64}) {
+      for (int64_t first : {0, 7}) {
+        std::vector<torch::Tensor> all;
+        for (int r = 0; r < world; ++r) {
+          const torch::Tensor mine = prefill_positions(first, count, world, r);
+          const std::string at = "first " + std::to_string(first) + ", count " + std::to_string(count) + ", rank " +
+                                 std::to_string(r) + " of " + std::to_string(world);
+          EXPECT_TRUE(torch::equal(mine, reference_prefill_positions(first, count, world, r))) << at << ": " << mine;
+          all.push_back(mine);
+        }
+        EXPECT_TRUE(torch::equal(std::get<0>(torch::cat(all).sort()), torch::arange(first, first + count)))
+            << "every new token on exactly one rank: first " << first << ", count " << count << ", N " << world;
+      }
+    }
+  }
+  // T = 10 over N = 2: parts of 2, 3, 2, 3 tokens; rank 1 holds parts 1 and 2.
+  EXPECT_TRUE(torch::equal(prefill_positions(100, 10, 2, 1), torch::tensor({102, 103, 104, 105, 106}, torch::kLong)));
+}
+
+CP_TEST(Lesson15, Task1_DecodeGrowsEveryShardInTurn) {
+  for (int world : {1, 2, 3, 4, 8}) {
+    std::vector<int64_t> held(world, 0);
+    for (int64_t t = 0; t < 50; ++t) {
+      const int owner = decode_owner(t, world);
+      ASSERT_TRUE(owner >= 0 && owner < world) << "position " << t << ", N " << world;
+      ++held[owner];
+      const auto [least, most] = std::minmax_element(held.begin(), held.end());
+      EXPECT_LE(*most - *least, 1) << "after position " << t << " on " << world << " ranks: shards differ by more than one";
+    }
+  }
+  EXPECT_EQ(decode_owner(13, 4), 1);
+}
+
+CP_TEST(Lesson15, Task1_BadInputGivesClearErrors) {
+  prefill_positions(0, 8, 2, 0);  // counts once implemented
+  testing::expect_errors({
+      {"count -1", [] { prefill_positions(0, -1, 2, 0); }, "first and count must not be negative, got 0 and -1"},
+      {"rank 2 of 2", [] { prefill_positions(0, 8, 2, 2); }, "rank 2 is not in a world of 2"},
+      {"world 0", [] { prefill_positions(0, 8, 0, 0); }, "world must be at least 1, got 0"},
+      {"position -3", [] { decode_owner(-3, 4); }, "position must not be negative, got -3"},
+  });
+}
+
+// ── Tasks 2 and 3: the prefills ─────────────────────────────────────────────────────────────
+
+struct PrefillCaseT {
+  int64_t cached, fresh, heads_q, heads_kv;
+};
+
+/// Hit rates 0, a few tokens, 50% and 99%; lengths that do not divide N or 2N; GQA.
+const std::vector<PrefillCaseT> kPrefills = {{0, 37, 4, 2}, {3, 29, 4, 4}, {40, 40, 4, 1}, {693, 7, 4, 2}};
+
+using Prefill = PrefillResult (*)(Comm&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                                  const torch::Tensor&, KvCacheShard&, std::optional<double>);
+
+void expect_prefill_matches_one_device(Comm& comm, Prefill prefill, PrefillVariant variant) {
+  const int64_t d = 8;
+  for (const PrefillCaseT& c : kPrefills) {
+    const int64_t length = c.cached + c.fresh;
+    const Sequence seq = make_sequence(length, c.heads_q, c.heads_kv, d, 1500 + length);
+    const auto [out, lse] = oracle_attention(seq.q, seq.k, seq.v, true, torch::arange(length), torch::arange(length),
+                                             1.0 / std::sqrt(static_cast<double>(d)));
+    const torch::Tensor mine = reference_prefill_positions(c.cached, c.fresh, comm.size(), comm.rank());
+    KvCacheShard cache = round_robin_cache(seq, c.cached, comm);
+    const torch::Tensor cached_before = cache.positions.clone();
+    const PrefillResult r = prefill(comm, at_positions(seq.q, mine), at_positions(seq.k, mine),
+                                    at_positions(seq.v, mine), mine, cache, std::nullopt);
+    const std::string at = to_string(variant) + ", P = " + std::to_string(c.cached) + ", T = " +
+                           std::to_string(c.fresh) + ", Hq/Hkv " + std::to_string(c.heads_q) + "/" +
+                           std::to_string(c.heads_kv) + ", " + where(comm);
+    CP_EXPECT_CLOSE(r.out, out.index_select(2, mine), "out, " + at, kDims);
+    CP_EXPECT_CLOSE(r.lse, lse.index_select(2, mine), "lse, " + at, {"b", "h", "s"});
+    // The new K/V stay with the rank that computed them, after what it cached before.
+    EXPECT_TRUE(torch::equal(cache.positions, torch::cat({cached_before, mine}))) << at << ": the cache's positions";
+    EXPECT_TRUE(torch::equal(cache.k, at_positions(seq.k, cache.positions))) << at << ": the cache's keys";
+    EXPECT_TRUE(torch::equal(cache.v, at_positions(seq.v, cache.positions))) << at << ": the cache's values";
+    std::vector<int64_t> cached, fresh;
+    for (int j = 0; j < comm.size(); ++j) {
+      cached.push_back(held_round_robin(c.cached, comm.size(), j).numel());
+      fresh.push_back(reference_prefill_positions(c.cached, c.fresh, comm.size(), j).numel());
+    }
+    EXPECT_EQ(r.bytes_sent, prefill_bytes(variant, cached, fresh, comm.rank(), c.heads_q, c.heads_kv, d, 4))
+        << at << ": bytes sent";
+  }
+}
+
+CP_TEST(Lesson15, Task2_PassKvMatchesOneDevice) {
+  for_each_world([](Comm& comm) { expect_prefill_matches_one_device(comm, pass_kv_prefill, PrefillVariant::PassKV); });
+}
+
+CP_TEST(Lesson15, Task3_PassQMatchesOneDevice) {
+  for_each_world([](Comm& comm) { expect_prefill_matches_one_device(comm, pass_q_prefill, PrefillVariant::PassQ); });
+}
+
+CP_TEST(Lesson15, Task3_PrefillsInFloat64AndChunkedPrefillsAgree) {
+  // A prompt in two prefills (the second finds the first's K/V in the cache), each variant once,
+  // in float64: the result of the one-device float64 attention to float64's tolerance.
+  for_each_world([](Comm& comm) {
+    const int64_t first = 21, second = 19, d = 8;
+    const Sequence seq = make_sequence(first + second, 4, 2, d, 1515);
+    const auto [out, lse] = oracle_attention(seq.q, seq.k, seq.v, true, torch::arange(first + second),
+                                             torch::arange(first + second), 1.0 / std::sqrt(static_cast<double>(d)));
+    KvCacheShard cache = empty_cache_shard(2, d, torch::kDouble);
+    const torch::Tensor a = reference_prefill_positions(0, first, comm.size(), comm.rank());
+    const torch::Tensor b = reference_prefill_positions(first, second, comm.size(), comm.rank());
+    auto pick = [](const torch::Tensor& t, const torch::Tensor& pos) { return t.index_select(2, pos); };
+    pass_q_prefill(comm, pick(seq.q, a), pick(seq.k, a), pick(seq.v, a), a, cache);
+    const PrefillResult r = pass_kv_prefill(comm, pick(seq.q, b), pick(seq.k, b), pick(seq.v, b), b, cache);
+    CP_EXPECT_CLOSE(r.out, pick(out, b), "out of the second prefill, " + where(comm), kDims);
+    CP_EXPECT_CLOSE(r.lse, pick(lse, b), "lse of the second prefill, " + where(comm), {"b", "h", "s"});
+    EXPECT_EQ(r.out.scalar_type(), torch::kDouble) << "out keeps q's dtype";
+  });
+}
+
+CP_TEST(Lesson15, Task2_BadInputIsAnErrorOnEveryRank) {
+  for_each_world([](Comm& comm) {
+    const int64_t d = 8;
+    const Sequence seq = make_sequence(24, 4, 2, d, 1520);
+    const torch::Tensor mine = reference_prefill_positions(8, 16, comm.size(), comm.rank());
+    auto fresh = [&](const torch::Tensor& t) { return at_positions(t, mine); };
+    auto run = [&](KvCacheShard cache, torch::Tensor positions) {
+      pass_kv_prefill(comm, fresh(seq.q), fresh(seq.k), fresh(seq.v), positions, cache);
+    };
+    run(round_robin_cache(seq, 8, comm), mine);  // counts once implemented
+    const bool last = comm.rank() == comm.size() - 1;
+    KvCacheShard short_positions = round_robin_cache(seq, 8, comm);
+    if (last) short_positions.positions = short_positions.positions.narrow(0, 0, short_positions.positions.size(0) - 1);
+    expect_error([&] { run(short_positions, mine); }, "cache.positions: expected int64");
+    KvCacheShard late = round_robin_cache(seq, 8, comm);
+    if (last) late.positions = late.positions + 100;
+    expect_error([&] { run(late, mine); }, "every new token must come after every cached one");
+    KvCacheShard wrong_heads = round_robin_cache(seq, 8, comm);
+    if (last) wrong_heads.k = wrong_heads.k.repeat({1, 2, 1, 1}), wrong_heads.v = wrong_heads.v.repeat({1, 2, 1, 1});
+    expect_error([&] { run(wrong_heads, mine); }, "cache.k: expected k's heads");
+    expect_error([&] { run(round_robin_cache(seq, 8, comm), last ? mine.narrow(0, 0, 0) : mine); },
+                 "positions: expected int64");
+    expect_error(
+        [&] {
+          KvCacheShard cache = round_robin_cache(seq, 8, comm);
+          pass_q_prefill(comm, fresh(seq.q), fresh(seq.k), fresh(seq.v).to(torch::kDouble), mine, cache);
+        },
+        "v: expected q's dtype");
+  });
+}
+
+// ── Task 4 ──────────────────────────────────────────────────────────────────────────────────
+
+CP_TEST(Lesson15, Task4_PassQWinsAtHighHitRatesAndPassKvOnLongNewPrompts) {
+  const Cluster& h100 = cluster_preset("h100x8");
+  // Llama-3.1-70B's attention (64 query heads, 8 K/V heads) on 8 GPUs.
+  auto plan = [&](int64_t fresh, int64_t cached) {
+    return choose_prefill({fresh, cached, 64, 8, 128, 2, 8}, h100);
+  };
+  const PrefillChoice full = plan(131072, 0);
+  EXPECT_EQ(full.choice, PrefillVariant::PassKV) << "a whole 128k prompt: " << full.reason;
+  const PrefillChoice follow_up = plan(256, 130816);
+  EXPECT_EQ(follow_up.choice, PrefillVariant::PassQ) << "256 new tokens after 128k cached: " << follow_up.reason;
+  for (const PrefillChoice& c : {full, follow_up}) {
+    EXPECT_GT(c.pass_kv_ms, 0);
+    EXPECT_GT(c.pass_q_ms, 0);
+    EXPECT_NE(c.reason.find(to_string(c.choice)), std::string::npos) << "the reason names the choice: " << c.reason;
+  }
+  // One GPU: nothing travels, both are the compute alone.
+  const PrefillChoice alone = choose_prefill({4096, 4096, 64, 8, 128, 2, 1}, h100);
+  EXPECT_DOUBLE_EQ(alone.pass_kv_ms, alone.pass_q_ms);
+  EXPECT_EQ(alone.choice, PrefillVariant::PassKV) << "a tie goes to pass-KV";
+  // Compute-bound: 16 times the new tokens, at least 16 times the time.
+  EXPECT_GT(plan(131072, 0).pass_kv_ms, 16 * plan(8192, 0).pass_kv_ms);
+}
+
+CP_TEST(Lesson15, Task4_BadInputGivesClearErrors) {
+  const Cluster& h100 = cluster_preset("h100x8");
+  choose_prefill({1024, 0, 8, 8, 64, 2, 2}, h100);  // counts once implemented
+  testing::expect_errors({
+      {"Hkv 3 of Hq 8", [&] { choose_prefill({1024, 0, 8, 3, 64, 2, 2}, h100); }, "Hkv dividing Hq"},
+      {"world 0", [&] { choose_prefill({1024, 0, 8, 8, 64, 2, 0}, h100); }, "N = 0"},
+  });
+}
+
+// ── Task 5: decode ──────────────────────────────────────────────────────────────────────────
+
+/// B sequences of different lengths, one shorter than most worlds (a rank with nothing of it),
+/// decoded for several steps with `merge`: each step against one device, the same on every rank.
+void expect_decode_matches_one_device(Comm& comm, DecodeMerge merge) {
+  const int64_t heads_q = 4, heads_kv = 2, d = 8, steps = 4;
+  const std::vector<int64_t> lengths = {1, 6, 23};  // before the first step
+  const int64_t batch = static_cast<int64_t>(lengths.size());
+  std::vector<Sequence> seqs;
+  std::vector<KvCacheShard> caches;
+  for (int64_t b = 0; b < batch; ++b) {
+    seqs.push_back(make_sequence(lengths[b] + steps, heads_q, heads_kv, d, 1530 + b));
+    caches.push_back(round_robin_cache(seqs[b], lengths[b], comm));
+  }
+  for (int64_t step = 0; step < steps; ++step) {
+    std::vector<torch::Tensor> q, k, v, out_expected, lse_expected;
+    std::vector<int64_t> at;
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t pos = lengths[b] + step, len = pos + 1;
+      at.push_back(pos);
+      const torch::Tensor here = torch::tensor({pos}, torch::kLong);
+      q.push_back(at_positions(seqs[b].q, here));
+      k.push_back(at_positions(seqs[b].k, here));
+      v.push_back(at_positions(seqs[b].v, here));
+      const auto [o, l] = oracle_attention(seqs[b].q.narrow(2, pos, 1), seqs[b].k.narrow(2, 0, len),
+                                           seqs[b].v.narrow(2, 0, len), true, here, torch::arange(len),
+                                           1.0 / std::sqrt(static_cast<double>(d)));
+      out_expected.push_back(o);
+      lse_expected.push_back(l);
+    }
+    const DecodeResult r = decode_step(comm, torch::cat(q), torch::cat(k), torch::cat(v), torch::tensor(at), caches, merge);
+    const std::string what = to_string(merge) + ", step " + std::to_string(step) + ", " + where(comm);
+    CP_EXPECT_CLOSE(r.out, torch::cat(out_expected), "out, " + what, kDims);
+    CP_EXPECT_CLOSE(r.lse, torch::cat(lse_expected), "lse, " + what, {"b", "h", "s"});
+    // Every rank returns the very same bits: the next token must not depend on the rank.
+    const torch::Tensor all_out = comm.all_gather(r.out.unsqueeze(0));
+    const torch::Tensor all_lse = comm.all_gather(r.lse.unsqueeze(0));
+    EXPECT_TRUE(torch::equal(all_out[0], r.out) && torch::equal(all_lse[0], r.lse))
+        << what << ": out and lse differ from rank 0's";
+    const DecodeVolume volume = decode_bytes(merge, comm.size(), comm.rank(), batch, heads_q, d, 4);
+    EXPECT_EQ(r.bytes_sent, volume.bytes) << what << ": bytes sent";
+    EXPECT_EQ(r.rounds, volume.rounds) << what << ": rounds";
+    // The new token sits in the shard of its owner, and only there.
+    for (int64_t b = 0; b < batch; ++b) {
+      const torch::Tensor held = held_round_robin(at[b] + 1, comm.size(), comm.rank());
+      EXPECT_TRUE(torch::equal(caches[b].positions, held)) << what << ", sequence " << b << ": the cache's positions";
+    }
+  }
+}
+
+CP_TEST(Lesson15, Task5_DecodeByGatherMatchesOneDevice) {
+  for_each_world([](Comm& comm) { expect_decode_matches_one_device(comm, DecodeMerge::Gather); });
+}
+
+CP_TEST(Lesson15, Task5_DecodeByTreeMatchesOneDevice) {
+  for_each_world([](Comm& comm) { expect_decode_matches_one_device(comm, DecodeMerge::Tree); });
+}
+
+CP_TEST(Lesson15, Task5_BadInputIsAnErrorOnEveryRank) {
+  for_each_world([](Comm& comm) {
+    const int64_t d = 8;
+    const Sequence seq = make_sequence(10, 4, 2, d, 1540);
+    const torch::Tensor here = torch::tensor({9}, torch::kLong);
+    std::vector<KvCacheShard> caches = {round_robin_cache(seq, 9, comm)};
+    auto step = [&](std::vector<KvCacheShard> c, const torch::Tensor& positions) {
+      decode_step(comm, at_positions(seq.q, here), at_positions(seq.k, here), at_positions(seq.v, here), positions, c,
+                  DecodeMerge::Tree);
+    };
+    step(caches, here);  // counts once implemented
+    const bool last = comm.rank() == comm.size() - 1;
+    expect_error([&] { step(last ? std::vector<KvCacheShard>{} : caches, here); }, "caches: expected one shard per sequence");
+    expect_error([&] { step(caches, torch::tensor({3}, torch::kLong)); }, "at or after the new token's 3");
+    expect_error([&] { step(caches, torch::tensor({9, 10}, torch::kLong)); }, "positions: expected int64 [1]");
+  });
+}
+
+// ── CUDA tensors ────────────────────────────────────────────────────────────────────────────
+
+CP_TEST(Lesson15Cuda, PrefillsAndDecodeMatchOneDeviceOnCuda) {
+  CP_REQUIRE_GPU();
+  for_each_world([](Comm& comm) {
+    const int64_t d = 64, cached = 50, fresh = 30;
+    const Sequence seq = make_sequence(cached + fresh, 4, 2, d, 1550);
+    const auto [out, lse] = oracle_attention(seq.q, seq.k, seq.v, true, torch::arange(cached + fresh),
+                                             torch::arange(cached + fresh), 1.0 / std::sqrt(static_cast<double>(d)));
+    const torch::Tensor mine = reference_prefill_positions(cached, fresh, comm.size(), comm.rank());
+    auto cuda = [&](const torch::Tensor& t) { return at_positions(t, mine).to(torch::kCUDA, torch::kBFloat16); };
+    for (PrefillVariant variant : {PrefillVariant::PassKV, PrefillVariant::PassQ}) {
+      KvCacheShard host = round_robin_cache(seq, cached, comm);
+      KvCacheShard cache{host.k.to(torch::kCUDA, torch::kBFloat16), host.v.to(torch::kCUDA, torch::kBFloat16),
+                         host.positions.to(torch::kCUDA)};
+      const torch::Tensor pos = mine.to(torch::kCUDA);
+      const PrefillResult r = variant == PrefillVariant::PassKV
+                                  ? pass_kv_prefill(comm, cuda(seq.q), cuda(seq.k), cuda(seq.v), pos, cache)
+                                  : pass_q_prefill(comm, cuda(seq.q), cuda(seq.k), cuda(seq.v), pos, cache);
+      CP_EXPECT_CLOSE(r.out.cpu(), out.index_select(2, mine), to_string(variant) + " out, " + where(comm), kDims);
+      CP_EXPECT_CLOSE(r.lse.cpu(), lse.index_select(2, mine), to_string(variant) + " lse, " + where(comm),
+                      {"b", "h", "s"});
+    }
+  });
+}
+
+}  // namespace
+}  // namespace cp
