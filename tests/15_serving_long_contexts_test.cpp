@@ -3,6 +3,7 @@
 // 2, 3, 4 and 8 ranks and under mpirun.
 #include <torch/types.h>
 
+#include <algorithm>
 #include <cmath>
 #include <numeric>
 
