@@ -238,6 +238,23 @@ CP_TEST(Lesson15, Task4_PassQWinsAtHighHitRatesAndPassKvOnLongNewPrompts) {
   EXPECT_GT(plan(131072, 0).pass_kv_ms, 16 * plan(8192, 0).pass_kv_ms);
 }
 
+CP_TEST(Lesson15, Task4_TimesFollowTheStepModelExactly) {
+  // A made-up cluster slow enough for round numbers: 1e-8 TFLOP/s (1280 FLOPs take 128 ms) and
+  // 1e-6 GB/s (a byte takes a millisecond). T = 8 new tokens after P = 16, N = 2, Hq 2, Hkv 1,
+  // D 4, 2-byte elements. A step: 4 queries against 12 keys, of which the 4 new are half hidden
+  // on average: 4 · (16 + 4) / 2 · 2 heads = 80 pairs, 4·D = 16 FLOPs each: 128 ms. Pass-KV's
+  // block: 12 tokens of (2·1·4·2 + 8) = 24 bytes, 288 ms, longer than the compute: 288 + 128
+  // (the last step computes alone). Pass-Q's block: 4 queries of 2·4·2 + 8 = 24 bytes, 96 ms,
+  // hidden: 128 + 128; then its 4 partials of 2·4·2 + 4·2 = 24 bytes go home: 96 ms more.
+  Cluster slow = cluster_preset("h100x8");
+  slow.forward_tflops = 1e-8;
+  slow.intra = {1e-6, 0};
+  const PrefillChoice c = choose_prefill({8, 16, 2, 1, 4, 2, 2}, slow);
+  EXPECT_NEAR(c.pass_kv_ms, 416, 1e-6) << c.reason;
+  EXPECT_NEAR(c.pass_q_ms, 352, 1e-6) << c.reason;
+  EXPECT_EQ(c.choice, PrefillVariant::PassQ) << c.reason;
+}
+
 CP_TEST(Lesson15, Task4_BadInputGivesClearErrors) {
   const Cluster& h100 = cluster_preset("h100x8");
   choose_prefill({1024, 0, 8, 8, 64, 2, 2}, h100);  // counts once implemented
