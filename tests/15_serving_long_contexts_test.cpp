@@ -199,6 +199,10 @@ CP_TEST(Lesson15, Task2_BadInputIsAnErrorOnEveryRank) {
     KvCacheShard late = round_robin_cache(seq, 8, comm);
     if (last) late.positions = late.positions + 100;
     expect_error([&] { run(late, mine); }, "every new token must come after every cached one");
+    // The cache of a world one rank larger that lost its rank 0.
+    const torch::Tensor other_world = held_round_robin(8, comm.size() + 1, comm.rank() + 1);
+    expect_error([&] { run({at_positions(seq.k, other_world), at_positions(seq.v, other_world), other_world}, mine); },
+                 "cache: the ranks' shards hold");
     KvCacheShard wrong_heads = round_robin_cache(seq, 8, comm);
     if (last) wrong_heads.k = wrong_heads.k.repeat({1, 2, 1, 1}), wrong_heads.v = wrong_heads.v.repeat({1, 2, 1, 1});
     expect_error([&] { run(wrong_heads, mine); }, "cache.k: expected k's heads");
@@ -266,11 +270,22 @@ CP_TEST(Lesson15, Task4_BadInputGivesClearErrors) {
 
 // ── Task 5: decode ──────────────────────────────────────────────────────────────────────────
 
+/// The K/V a shard holds equal the sequence's at the positions it holds, token for token; the
+/// tokens at `negated` positions were appended as −k, −v.
+void expect_cache_holds(const KvCacheShard& shard, const Sequence& seq, const torch::Tensor& negated,
+                        const std::string& what) {
+  const torch::Tensor sign = 1 - 2 * torch::isin(shard.positions, negated).to(torch::kFloat).view({1, 1, -1, 1});
+  EXPECT_TRUE(torch::equal(shard.k, at_positions(seq.k, shard.positions) * sign)) << what << ": the cache's k";
+  EXPECT_TRUE(torch::equal(shard.v, at_positions(seq.v, shard.positions) * sign)) << what << ": the cache's v";
+}
+
 /// B sequences of different lengths, one shorter than most worlds (a rank with nothing of it),
-/// decoded for several steps with `merge`: each step against one device, the same on every rank.
+/// one longer than a block of keys on every rank, decoded for several steps with `merge`: each
+/// step against one device, the same on every rank. At step 1 a copy of the caches (a fork of the
+/// batch) takes other tokens: the two must not see each other's.
 void expect_decode_matches_one_device(Comm& comm, DecodeMerge merge) {
   const int64_t heads_q = 4, heads_kv = 2, d = 8, steps = 4;
-  const std::vector<int64_t> lengths = {1, 6, 23};  // before the first step
+  const std::vector<int64_t> lengths = {1, 6, 23, 300};  // before the first step
   const int64_t batch = static_cast<int64_t>(lengths.size());
   std::vector<Sequence> seqs;
   std::vector<KvCacheShard> caches;
@@ -278,6 +293,8 @@ void expect_decode_matches_one_device(Comm& comm, DecodeMerge merge) {
     seqs.push_back(make_sequence(lengths[b] + steps, heads_q, heads_kv, d, 1530 + b));
     caches.push_back(round_robin_cache(seqs[b], lengths[b], comm));
   }
+  std::vector<KvCacheShard> fork;
+  std::vector<int64_t> fork_tokens;
   for (int64_t step = 0; step < steps; ++step) {
     std::vector<torch::Tensor> q, k, v, out_expected, lse_expected;
     std::vector<int64_t> at;
@@ -310,8 +327,25 @@ void expect_decode_matches_one_device(Comm& comm, DecodeMerge merge) {
     for (int64_t b = 0; b < batch; ++b) {
       const torch::Tensor held = held_round_robin(at[b] + 1, comm.size(), comm.rank());
       EXPECT_TRUE(torch::equal(caches[b].positions, held)) << what << ", sequence " << b << ": the cache's positions";
+      expect_cache_holds(caches[b], seqs[b], torch::empty({0}, torch::kLong), what + ", sequence " + std::to_string(b));
+    }
+    if (step == 1) {  // the fork takes the next positions' tokens negated; the batch takes them next step
+      fork = caches;
+      std::vector<torch::Tensor> q_next, k_next, v_next;
+      for (int64_t b = 0; b < batch; ++b) {
+        fork_tokens.push_back(at[b] + 1);
+        const torch::Tensor there = torch::tensor({at[b] + 1}, torch::kLong);
+        q_next.push_back(at_positions(seqs[b].q, there));
+        k_next.push_back(-at_positions(seqs[b].k, there));
+        v_next.push_back(-at_positions(seqs[b].v, there));
+      }
+      decode_step(comm, torch::cat(q_next), torch::cat(k_next), torch::cat(v_next), torch::tensor(fork_tokens), fork,
+                  merge);
     }
   }
+  for (int64_t b = 0; b < batch; ++b)
+    expect_cache_holds(fork[b], seqs[b], torch::tensor({fork_tokens[b]}),
+                       "the fork of step 1, sequence " + std::to_string(b) + ", " + where(comm));
 }
 
 CP_TEST(Lesson15, Task5_DecodeByGatherMatchesOneDevice) {
@@ -337,6 +371,13 @@ CP_TEST(Lesson15, Task5_BadInputIsAnErrorOnEveryRank) {
     expect_error([&] { step(last ? std::vector<KvCacheShard>{} : caches, here); }, "caches: expected one shard per sequence");
     expect_error([&] { step(caches, torch::tensor({3}, torch::kLong)); }, "at or after the new token's 3");
     expect_error([&] { step(caches, torch::tensor({9, 10}, torch::kLong)); }, "positions: expected int64 [1]");
+    // The cache of a world one rank larger that lost its rank 0.
+    const torch::Tensor other_world = held_round_robin(9, comm.size() + 1, comm.rank() + 1);
+    expect_error([&] { step({{at_positions(seq.k, other_world), at_positions(seq.v, other_world), other_world}}, here); },
+                 "caches[0]: the ranks' shards hold");
+    if (comm.size() > 1)
+      expect_error([&] { step(caches, torch::tensor({last ? 10 : 9}, torch::kLong)); },
+                   "positions: every rank decodes the same batch");
   });
 }
 
@@ -363,6 +404,23 @@ CP_TEST(Lesson15Cuda, PrefillsAndDecodeMatchOneDeviceOnCuda) {
       CP_EXPECT_CLOSE(r.lse.cpu(), lse.index_select(2, mine), to_string(variant) + " lse, " + where(comm),
                       {"b", "h", "s"});
     }
+    // Decode of the last token over the cache of the others, sharded round robin, on the GPU.
+    const int64_t last = cached + fresh - 1;
+    const torch::Tensor here = torch::tensor({last}, torch::kLong);
+    auto gpu = [](const torch::Tensor& t) { return t.to(torch::kCUDA, torch::kBFloat16); };
+    for (DecodeMerge merge : {DecodeMerge::Gather, DecodeMerge::Tree}) {
+      const KvCacheShard host = round_robin_cache(seq, last, comm);
+      std::vector<KvCacheShard> caches = {{gpu(host.k), gpu(host.v), host.positions.to(torch::kCUDA)}};
+      const DecodeResult r = decode_step(comm, gpu(at_positions(seq.q, here)), gpu(at_positions(seq.k, here)),
+                                         gpu(at_positions(seq.v, here)), here.to(torch::kCUDA), caches, merge);
+      CP_EXPECT_CLOSE(r.out.cpu(), out.narrow(2, last, 1), "decode " + to_string(merge) + " out, " + where(comm), kDims);
+      CP_EXPECT_CLOSE(r.lse.cpu(), lse.narrow(2, last, 1), "decode " + to_string(merge) + " lse, " + where(comm),
+                      {"b", "h", "s"});
+    }
+    // A cache left on the CPU for queries on the GPU.
+    KvCacheShard on_cpu = round_robin_cache(seq, cached, comm);
+    expect_error([&] { pass_kv_prefill(comm, cuda(seq.q), cuda(seq.k), cuda(seq.v), mine.to(torch::kCUDA), on_cpu); },
+                 "cache.k: expected k's heads");
   });
 }
 

@@ -37,7 +37,10 @@ KvCacheShard empty_cache_shard(int64_t heads_kv, int64_t head_dim, const torch::
 /// negative): a cp::Error naming the field (`arg`.k, `arg`.v, `arg`.positions).
 void check_cache_shard(const KvCacheShard& shard, const std::string& arg);
 
-/// Appends tokens to a shard, in place: k, v [1, Hkv, t, D] at `positions` (int64 [t]).
+/// Appends tokens to a shard, in place: k, v [1, Hkv, t, D] at `positions` (int64 [t]). The
+/// shard's tensors become the first n + t rows of a buffer with room for more (an eighth, at
+/// least 64 tokens), so that appending one token copies one token; a buffer that another tensor
+/// shares (a copy of the shard) is never written, the shard moves to a new one first.
 void cache_append(KvCacheShard& shard, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& positions);
 
 // ── Task 1: where the tokens live ───────────────────────────────────────────────────────────
@@ -78,7 +81,9 @@ std::string to_string(PrefillVariant variant);
 /// @return out, lse of the new queries over every cached and new key at or before their position.
 /// CPU float32/float64; CUDA float32/float16/bfloat16 (lesson 03's kernel). A cp::Error on every
 /// rank, before anything is sent, when any rank's inputs disagree (shapes, dtype, device, a cache
-/// whose positions do not match its keys, a new position not after every cached one).
+/// whose positions do not match its keys, a new position not after every cached one) or when the
+/// shards do not hold each position before the new tokens exactly once (a cache sharded over a
+/// world of another size).
 PrefillResult pass_kv_prefill(Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                               const torch::Tensor& positions, KvCacheShard& cache,
                               std::optional<double> scale = std::nullopt);
@@ -143,7 +148,8 @@ struct DecodeResult {
 /// @param caches   B shards, this rank's of each sequence; the new token is appended to the shard
 ///                 of its decode_owner first, and attends to itself
 /// Each rank attends its shards (a shard without tokens gives lse = −inf), then the partials are
-/// merged as `merge` says. The same checks as the prefill's, plus caches.size() == B.
+/// merged as `merge` says. The same checks as the prefill's, plus caches.size() == B and the same
+/// positions on every rank.
 DecodeResult decode_step(Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                          const torch::Tensor& positions, std::vector<KvCacheShard>& caches, DecodeMerge merge,
                          std::optional<double> scale = std::nullopt);

@@ -4,9 +4,11 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #include "common/error.h"
 #include "common/tensor_checks.h"
+#include "kernels/cpu_decode.h"
 
 namespace cp {
 
@@ -38,10 +40,47 @@ void check_cache_shard(const KvCacheShard& shard, const std::string& arg) {
            ": positions must not be negative");
 }
 
+namespace {
+
+/// Appends `rows` to t along dim, in place. A decode step appends one token, and torch::cat would
+/// copy the whole shard for it, twice the bytes the step's attention reads. So t is kept as the
+/// first rows of a larger buffer (std::vector's idea), and the new rows are copied into its room;
+/// a full buffer is replaced by one an eighth larger (at least 64 rows more), which costs a few
+/// rows a step on average. The room is written only where t alone holds the buffer: a copy of the
+/// shard or a view of t shares it, and then t moves to a new buffer first.
+void append_rows(torch::Tensor& t, const torch::Tensor& rows, int64_t dim) {
+  const int64_t n = t.size(dim), total = n + rows.size(dim);
+  int64_t row_elements = 1;
+  for (int64_t i = 0; i < t.dim(); ++i) row_elements *= i == dim ? 1 : t.size(i);
+  std::vector<int64_t> shape = t.sizes().vec();  // the buffer behind t, if t is the start of one
+  shape[dim] = row_elements ? static_cast<int64_t>(t.storage().nbytes()) / t.element_size() / row_elements : 0;
+  std::vector<int64_t> strides(shape.size(), 1);
+  for (int64_t i = t.dim() - 2; i >= 0; --i) strides[i] = strides[i + 1] * shape[i + 1];
+  const bool has_room = t.use_count() == 1 && t.storage().use_count() == 1 && t.storage_offset() == 0 &&
+                        shape[dim] >= total && t.strides() == torch::IntArrayRef(strides);
+  // t becomes a tensor of its own (not a view, which would keep the old tensor and its buffer)
+  // over the first `total` rows of the buffer.
+  std::vector<int64_t> sizes = t.sizes().vec();
+  sizes[dim] = total;
+  torch::Tensor grown = torch::empty({0}, t.options());
+  if (has_room) {
+    grown.set_(t.storage(), 0, sizes, strides);
+  } else {
+    shape[dim] = total + std::max<int64_t>(total / 8, 64);
+    const torch::Tensor buffer = torch::empty(shape, t.options());
+    buffer.narrow(dim, 0, n).copy_(t);
+    grown.set_(buffer.storage(), 0, sizes, buffer.strides());
+  }
+  t = grown;
+  t.narrow(dim, n, total - n).copy_(rows);
+}
+
+}  // namespace
+
 void cache_append(KvCacheShard& shard, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& positions) {
-  shard.k = torch::cat({shard.k, k}, 2);
-  shard.v = torch::cat({shard.v, v}, 2);
-  shard.positions = torch::cat({shard.positions, positions.to(shard.k.device())});
+  append_rows(shard.k, k, 2);
+  append_rows(shard.v, v, 2);
+  append_rows(shard.positions, positions, 0);
 }
 
 // ── Task 1: where the tokens live ───────────────────────────────────────────────────────────
@@ -120,6 +159,13 @@ std::vector<int64_t> local_prefill_fields(const torch::Tensor& q, const torch::T
           positions.numel() ? positions.min().item<int64_t>() : none};
 }
 
+/// The message for shards that do not hold each of a sequence's `length` positions once.
+std::string missing_tokens(const std::string& arg, int64_t held, int64_t length) {
+  return detail::concat(arg, ": the ranks' shards hold ", held, " tokens, but the sequence has ", length,
+                        " before its new ones: each position must be in exactly one shard (was the cache sharded "
+                        "over a world of another size?)");
+}
+
 /// Every rank's fields and error message together (one all-gather of a fixed-size row), so that
 /// a bad input anywhere is a cp::ErrorOnEveryRank everywhere and nobody waits for a send.
 Agreed agree(Comm& comm, torch::Device device, const std::string& error, std::vector<int64_t> fields) {
@@ -160,6 +206,9 @@ Agreed agree(Comm& comm, torch::Device device, const std::string& error, std::ve
                                           "position ",
                                           last_cached, ", a new token is at ", first_new),
                            __FILE__, __LINE__);
+  int64_t total_cached = 0;
+  for (int64_t c : agreed.cached) total_cached += c;
+  if (total_cached != last_cached + 1) throw ErrorOnEveryRank(missing_tokens("cache", total_cached, last_cached + 1), __FILE__, __LINE__);
   return agreed;
 }
 
@@ -175,9 +224,38 @@ Agreed check_prefill_inputs(Comm& comm, const torch::Tensor& q, const torch::Ten
   return agree(comm, q.defined() ? q.device() : torch::Device(torch::kCPU), error, fields);
 }
 
-/// Causal attention of queries at q_pos over keys at k_pos (lesson 03).
+/// One query row per head on the CPU (a decode step): kernels/cpu_decode.h reads the cache where
+/// it lies, each row of a kv head once for the query heads that share it.
+AttnResult attend_one_row_cpu(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                              int64_t q_pos, const torch::Tensor& k_pos, std::optional<double> scale) {
+  const int64_t batch = q.size(0), heads_q = q.size(1), heads_kv = k.size(1), n = k.size(2), d = q.size(3);
+  const int64_t group = heads_q / heads_kv;
+  const float softmax_scale = static_cast<float>(scale.value_or(1.0 / std::sqrt(static_cast<double>(d))));
+  // The kernel reads float32 rows of d floats; a shard's k and v are (cache_append's buffers).
+  auto float_rows = [d](const torch::Tensor& t) {
+    return t.scalar_type() == torch::kFloat && t.stride(3) == 1 && t.stride(2) == d ? t : t.to(torch::kFloat).contiguous();
+  };
+  const torch::Tensor qf = q.to(torch::kFloat).contiguous(), kf = float_rows(k), vf = float_rows(v);
+  const torch::Tensor kp = k_pos.contiguous();
+  const auto f32 = q.options().dtype(torch::kFloat);
+  torch::Tensor out = torch::empty({batch, heads_q, 1, d}, f32), lse = torch::empty({batch, heads_q, 1}, f32);
+  std::vector<float> work(group * (d + kernels::kDecodeBlock + 2));
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t h = 0; h < heads_kv; ++h) {
+      const int64_t row = b * heads_q + h * group;  // the group's first query head
+      kernels::simd_call<kernels::DecodeAttend>(
+          qf.data_ptr<float>() + row * d, group, kf.data_ptr<float>() + b * kf.stride(0) + h * kf.stride(1),
+          vf.data_ptr<float>() + b * vf.stride(0) + h * vf.stride(1), kp.data_ptr<int64_t>(), n, q_pos, d,
+          softmax_scale, out.data_ptr<float>() + row * d, lse.data_ptr<float>() + row, work.data());
+    }
+  return {out.to(q.scalar_type()), lse};
+}
+
+/// Causal attention of queries at q_pos over keys at k_pos: lesson 03's, or for one query row on
+/// the CPU the decode kernel.
 AttnResult attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& q_pos,
                   const torch::Tensor& k_pos, std::optional<double> scale) {
+  if (q.device().is_cpu() && q.size(2) == 1) return attend_one_row_cpu(q, k, v, q_pos.item<int64_t>(), k_pos, scale);
   AttentionMask mask;
   mask.causal = true;
   mask.q_positions = q_pos.to(q.device());
@@ -418,6 +496,30 @@ std::vector<int64_t> local_decode_fields(const torch::Tensor& q, const torch::Te
           std::numeric_limits<int64_t>::max()};
 }
 
+/// Every rank decodes the same positions, and sequence b's shards hold its positions before
+/// positions[b], each once: one all-gather of [positions, tokens held] (a cp::ErrorOnEveryRank).
+void check_decode_batch(Comm& comm, torch::Device device, const torch::Tensor& positions,
+                        const std::vector<KvCacheShard>& caches) {
+  const int64_t batch = positions.size(0);
+  std::vector<int64_t> row(positions.cpu().data_ptr<int64_t>(), positions.cpu().data_ptr<int64_t>() + batch);
+  for (const KvCacheShard& shard : caches) row.push_back(shard.positions.size(0));
+  const torch::Tensor all =
+      comm.all_gather(torch::tensor(row, torch::kLong).to(device).unsqueeze(0)).cpu().view({comm.size(), 2, batch});
+  for (int r = 1; r < comm.size(); ++r)
+    if (!torch::equal(all[r][0], all[0][0]))
+      throw ErrorOnEveryRank(detail::concat("positions: every rank decodes the same batch; rank 0 has ",
+                                            torch::IntArrayRef(all[0][0].contiguous().data_ptr<int64_t>(), batch),
+                                            ", rank ", r, " has ",
+                                            torch::IntArrayRef(all[r][0].contiguous().data_ptr<int64_t>(), batch)),
+                             __FILE__, __LINE__);
+  const torch::Tensor held = all.select(1, 1).sum(0);
+  for (int64_t b = 0; b < batch; ++b)
+    if (held[b].item<int64_t>() != all[0][0][b].item<int64_t>())
+      throw ErrorOnEveryRank(missing_tokens("caches[" + std::to_string(b) + "]", held[b].item<int64_t>(),
+                                            all[0][0][b].item<int64_t>()),
+                             __FILE__, __LINE__);
+}
+
 }  // namespace
 
 DecodeResult decode_step(Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
@@ -431,7 +533,7 @@ DecodeResult decode_step(Comm& comm, const torch::Tensor& q, const torch::Tensor
     error = e.what();
   }
   agree(comm, q.defined() ? q.device() : torch::Device(torch::kCPU), error, fields);
-  check_same_on_every_rank(comm, positions, "positions", "Every rank decodes the same batch.");
+  check_decode_batch(comm, q.device(), positions, caches);
   const int p = comm.size(), rank = comm.rank();
   const torch::Tensor pos = positions.cpu();
   const int64_t batch = q.size(0);
