@@ -1,0 +1,88 @@
+// Tests of kernels/ itself: the matrix-unit building blocks of kernels/mma.cuh (lesson 16), run by
+// a probe kernel (tests/kernels/mma_probe.cu) on a GPU or on CUDA on the CPU. Each fragment must
+// hold the elements the map names, and mma must equal a float64 matrix product of the same
+// 16-bit inputs.
+#include <torch/types.h>
+
+#include "common/tensor_checks.h"
+#include "kernels/mma_map.h"
+#include "testing/device_buffer.h"
+#include "testing/harness.h"
+#include "testing/oracle.h"
+
+#if CP_WITH_CUDA
+#include "tests/kernels/mma_probe.cuh"
+#endif
+
+namespace cp {
+namespace {
+
+#if CP_WITH_CUDA
+using testing::DeviceBuffer;
+using testing::TestStream;
+
+struct ProbeResult {
+  torch::Tensor a_frag, b_frag, bt_frag, d_map, d_ld;
+};
+
+ProbeResult run_probe(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& c) {
+  TestStream stream;
+  DeviceBuffer a_dev(a), b_dev(b), c_dev(c);
+  DeviceBuffer a_frag({32, 8}, torch::kFloat), b_frag({32, 4}, torch::kFloat), bt_frag({32, 4}, torch::kFloat);
+  DeviceBuffer d_map({16, 8}, torch::kFloat), d_ld({16, 8}, torch::kFloat);
+  testing::launch_mma_probe({a_dev.get(), b_dev.get(), c_dev.as<float>(), a_frag.as<float>(), b_frag.as<float>(),
+                             bt_frag.as<float>(), d_map.as<float>(), d_ld.as<float>()},
+                            kernel_dtype(a, "a"), stream.get());
+  return {a_frag.to_host(stream.get()), b_frag.to_host(stream.get()), bt_frag.to_host(stream.get()),
+          d_map.to_host(stream.get()), d_ld.to_host(stream.get())};
+}
+
+/// m[map_row(lane, e)][map_col(lane, e)] for every lane and element: what the map says a lane holds.
+template <typename Row, typename Col>
+torch::Tensor by_map(const torch::Tensor& m, int elements, Row row, Col col) {
+  torch::Tensor expected = torch::empty({32, elements}, torch::kFloat);
+  const torch::Tensor mf = m.to(torch::kFloat);
+  for (int lane = 0; lane < 32; ++lane)
+    for (int e = 0; e < elements; ++e) expected[lane][e] = mf[row(lane, e)][col(lane, e)];
+  return expected;
+}
+
+CP_TEST(KernelsMmaKernels, FragmentsHoldWhatTheMapSays) {
+  CP_REQUIRE_CUDA_RUNTIME();
+  for (auto dtype : {torch::kHalf, torch::kBFloat16}) {
+    // Every element a different small integer (exact in both formats): a misplaced one shows.
+    const torch::Tensor a = torch::arange(256, torch::kFloat).view({16, 16}).to(dtype);
+    const torch::Tensor b = (torch::arange(128, torch::kFloat).view({16, 8}) - 64).to(dtype);
+    const ProbeResult r = run_probe(a, b, torch::zeros({16, 8}));
+    const std::string what = std::string(" (") + torch::toString(torch::TensorOptions().dtype(dtype).dtype()) + ")";
+    EXPECT_TRUE(torch::equal(r.a_frag, by_map(a, 8, kernels::frag_a_row, kernels::frag_a_col)))
+        << "ldmatrix_x4 of A" << what << ": got\n" << r.a_frag;
+    const torch::Tensor b_expected = by_map(b, 4, kernels::frag_b_row, kernels::frag_b_col);
+    EXPECT_TRUE(torch::equal(r.b_frag, b_expected)) << "ldmatrix_x2 of Bᵀ" << what << ": got\n" << r.b_frag;
+    EXPECT_TRUE(torch::equal(r.bt_frag, b_expected)) << "ldmatrix_x2_trans of B" << what << ": got\n" << r.bt_frag;
+  }
+}
+
+CP_TEST(KernelsMmaKernels, MmaEqualsTheMatrixProduct) {
+  CP_REQUIRE_CUDA_RUNTIME();
+  uint64_t seed = 70;
+  for (auto dtype : {torch::kHalf, torch::kBFloat16}) {
+    for (int trial = 0; trial < 3; ++trial) {
+      const torch::Tensor a = testing::random_with_outliers({16, 16}, seed++, 1.0, 0.0).to(dtype);
+      const torch::Tensor b = testing::random_with_outliers({16, 8}, seed++, 1.0, 0.0).to(dtype);
+      const torch::Tensor c = testing::random_with_outliers({16, 8}, seed++, 1.0, 0.0);
+      const torch::Tensor expected = torch::matmul(a.to(torch::kDouble), b.to(torch::kDouble)) + c.to(torch::kDouble);
+      const ProbeResult r = run_probe(a, b, c);
+      const std::string what = std::string(dtype == torch::kHalf ? "float16" : "bfloat16") + ", trial " +
+                               std::to_string(trial);
+      CP_EXPECT_CLOSE(r.d_map, expected, "D = A·B + C, fragments by the map, " + what, {"row", "col"});
+      CP_EXPECT_CLOSE(r.d_ld, expected, "D = A·B + C, fragments by ldmatrix, " + what, {"row", "col"});
+    }
+  }
+}
+#else
+CP_KERNEL_TESTS_NEED_CUDA(KernelsMmaKernels)
+#endif
+
+}  // namespace
+}  // namespace cp
