@@ -34,6 +34,16 @@
 #define CP_MMA_PTX 0  // the shuffle emulation (CUDA on the CPU, GPUs before sm_80, host passes)
 #endif
 
+// Loops around fragments: unrolled for the real instructions (registers are indexed by constants
+// only when the loop is unrolled). Not for the emulation: each shuffle there is a barrier, and
+// PoCL compiles a kernel in pieces between barriers, so unrolled shuffles make the kernel's
+// compilation minutes longer and its code far bigger, for nothing on a CPU.
+#if CP_MMA_PTX
+#define CP_FRAGMENT_LOOP _Pragma("unroll")
+#else
+#define CP_FRAGMENT_LOOP _Pragma("unroll 1")
+#endif
+
 namespace cp::kernels {
 
 /// A 16×16 operand of 16-bit elements (T = __half or __nv_bfloat16), element e (0..7) of a lane
@@ -102,7 +112,7 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
                : "r"(addr));
 #else
   const int lane = static_cast<int>(threadIdx.x % kWarpSize), g = lane / 4, t = lane % 4;
-#pragma unroll
+  CP_FRAGMENT_LOOP
   for (int m = 0; m < 4; ++m) r[m] = load_pair(pull_address(row, 8 * m + g) + 2 * t);
 #endif
 }
@@ -114,7 +124,7 @@ __device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], const void* row) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
 #else
   const int lane = static_cast<int>(threadIdx.x % kWarpSize), g = lane / 4, t = lane % 4;
-#pragma unroll
+  CP_FRAGMENT_LOOP
   for (int m = 0; m < 2; ++m) r[m] = load_pair(pull_address(row, 8 * m + g) + 2 * t);
 #endif
 }
@@ -130,7 +140,7 @@ __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&r)[2], const void* 
                : "r"(addr));
 #else
   const int lane = static_cast<int>(threadIdx.x % kWarpSize), g = lane / 4, t = lane % 4;
-#pragma unroll
+  CP_FRAGMENT_LOOP
   for (int m = 0; m < 2; ++m) {
     const uint16_t* even = pull_address(row, 8 * m + 2 * t);
     const uint16_t* odd = pull_address(row, 8 * m + 2 * t + 1);
@@ -163,7 +173,7 @@ __device__ __forceinline__ void mma(FragC& d, const FragA& a, const FragB& b) {
   // one register of A and of B) it pulls A's rows from its own quad and B's columns from the
   // quads 2t and 2t+1, where the map puts them.
   const int lane = static_cast<int>(threadIdx.x % kWarpSize), g = lane / 4, t = lane % 4;
-#pragma unroll
+  CP_FRAGMENT_LOOP
   for (int kp = 0; kp < 8; ++kp) {
     const int src = kp % 4;  // the place in a quad that holds columns (A) or rows (B) 2kp, 2kp+1
     const uint32_t a_lo = pull(a.x[2 * (kp / 4)], 4 * g + src);      // A row g

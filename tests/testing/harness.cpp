@@ -92,11 +92,11 @@ void run_launched_world(Comm& comm, const std::function<void(Comm&)>& body) {
     // The other ranks may wait for this one forever: end the whole world, loudly.
     std::cerr << "[rank " << comm.rank() << "] exception in " << ::testing::UnitTest::GetInstance()->current_test_info()->name()
               << ": " << e.what() << "\n  aborting the MPI world" << std::endl;
-    detail::abort_launched_world();
+    detail::abort_launched_world(e.what());
   }
   if (::testing::Test::HasFatalFailure()) {
     std::cerr << "[rank " << comm.rank() << "] fatal assertion failed; aborting the MPI world" << std::endl;
-    detail::abort_launched_world();
+    detail::abort_launched_world("a fatal assertion failed");
   }
   if (outcome == kPassed && ::testing::Test::HasFailure()) outcome = kFailed;
 

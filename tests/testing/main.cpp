@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <memory>
 #include <sstream>
@@ -36,11 +37,13 @@
 namespace cp::testing::detail {
 namespace {
 std::shared_ptr<Comm> launched;  // the mpi or nccl world, alive for the whole program
+std::function<void(const std::string&)> record_abort;  // rank 0's reporter, once it exists
 }
 
 Comm* launched_world() { return launched.get(); }
 
-void abort_launched_world() {
+void abort_launched_world(const std::string& why) {
+  if (record_abort) record_abort(why);
 #if CP_WITH_MPI
   MPI_Abort(MPI_COMM_WORLD, 1);
 #endif
@@ -99,13 +102,29 @@ class CourseReporter : public ::testing::EmptyTestEventListener {
   void OnTestEnd(const ::testing::TestInfo& test) override {
     std::string message;
     const Outcome outcome = outcome_of(test, &message);
+    ++counts_[static_cast<int>(outcome)];
+    write(test, outcome, message, test.result()->elapsed_time());
+  }
+
+  /// The running test, failed with `why`: the world is about to be aborted (gtest never ends it).
+  void record_abort(const std::string& why) {
+    const ::testing::TestInfo* test = ::testing::UnitTest::GetInstance()->current_test_info();
+    if (test) write(*test, Outcome::Failed, "aborted the MPI world: " + why, 0);
+  }
+
+  void OnTestProgramEnd(const ::testing::UnitTest&) override {
+    std::cout << "Summary: " << counts_[0] << " passed, " << counts_[1] << " failed, " << counts_[2]
+              << " not started, " << counts_[3] << " skipped\n";
+  }
+
+ private:
+  void write(const ::testing::TestInfo& test, Outcome outcome, const std::string& message, int64_t time_ms) {
     const std::string name = std::string(test.test_suite_name()) + "." + test.name();
     static const char* kNames[] = {"passed", "failed", "not_started", "skipped"};
-    ++counts_[static_cast<int>(outcome)];
     if (outcome == Outcome::NotStarted) std::cout << "[ NOT STARTED ] " << name << "\n" << std::flush;
     if (!results_.is_open()) return;
     results_ << "{\"test\": " << json_string(name) << ", \"status\": \"" << kNames[static_cast<int>(outcome)]
-             << "\", \"time_ms\": " << test.result()->elapsed_time() << ", \"message\": " << json_string(message)
+             << "\", \"time_ms\": " << time_ms << ", \"message\": " << json_string(message)
              << ", \"checks\": [";
     const std::vector<CheckRecord> records = take_checks();
     for (size_t i = 0; i < records.size(); ++i) {
@@ -117,12 +136,6 @@ class CourseReporter : public ::testing::EmptyTestEventListener {
     results_ << "]}\n" << std::flush;
   }
 
-  void OnTestProgramEnd(const ::testing::UnitTest&) override {
-    std::cout << "Summary: " << counts_[0] << " passed, " << counts_[1] << " failed, " << counts_[2]
-              << " not started, " << counts_[3] << " skipped\n";
-  }
-
- private:
   std::ofstream results_;
   int counts_[4] = {0, 0, 0, 0};
 };
@@ -157,7 +170,11 @@ int main(int argc, char** argv) {
       printer = nullptr;
     }
     listeners.Append(failure_digest(printer, rank).release());
-    if (rank == 0) listeners.Append(new CourseReporter(std::getenv("CP_RESULTS_JSON")));
+    if (rank == 0) {
+      auto* reporter = new CourseReporter(std::getenv("CP_RESULTS_JSON"));  // the listeners own it
+      listeners.Append(reporter);
+      record_abort = [reporter](const std::string& why) { reporter->record_abort(why); };
+    }
     const int status = RUN_ALL_TESTS();
     launched.reset();  // the last Comm: MPI is finalised when run_main returns
     return status;

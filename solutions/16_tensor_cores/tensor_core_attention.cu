@@ -1,0 +1,272 @@
+// Lesson 16 — lesson 03's block attention forward on the matrix units (FlashAttention-2's
+// structure): S = Q·Kᵀ and O += P·V by mma.m16n8k16, the online softmax on the fragments.
+//
+// Grid: one block per (batch·query head, tile of kBr = 64 query rows); 4 warps, each owning 16
+// of the rows. A warp keeps its rows' Q as A fragments and their O as float32 C fragments in
+// registers for the whole kernel; tiles of kBc = 64 keys and values pass through shared memory.
+// Lane (g, t) holds, of every C fragment, rows g and g+8 of its warp's 16 (kernels/mma_map.h):
+// its two rows' maxima and sums are reduced over the quad of lanes 4g … 4g+3.
+#include <climits>
+#include <cstdint>
+
+#include "common/cuda_check.h"
+#include "common/error.h"
+#include "kernels/dtype.cuh"
+#include "kernels/mma.cuh"
+#include "kernels/tile.cuh"
+#include "kernels/warp.cuh"
+#include "tensor_core_attention.cuh"
+
+namespace cp {
+namespace {
+
+using kernels::FragA;
+using kernels::FragB;
+using kernels::FragC;
+using kernels::kFullWarp;
+using kernels::kWarpSize;
+
+constexpr int kWarps = 4;
+constexpr int kBr = 16 * kWarps;  // query rows per block: 16 per warp, the rows of an mma
+constexpr int kBc = 64;           // keys per tile
+constexpr int kThreads = kWarps * kWarpSize;
+
+/// Shared-memory rows of D 16-bit elements and 8 of padding: 16 more bytes per row put the 8 rows
+/// an ldmatrix reads at once on different banks, and keep every row 16-byte aligned.
+template <int D>
+constexpr int kLd = D + 8;
+
+/// Rows [row0, row0 + n) of a [rows, D] matrix into tile rows 0 … kRows − 1 (zeros past n), 16
+/// bytes (8 elements) per copy, consecutive threads on consecutive bytes. The caller's
+/// __syncthreads() makes the tile visible.
+template <typename T, int D, int kRows>
+__device__ void load_tile(T* tile, const T* src, int64_t row0, int n) {
+  constexpr int kChunks = D / 8;  // 16-byte pieces of a row
+  for (int idx = threadIdx.x; idx < kRows * kChunks; idx += blockDim.x) {
+    const int r = idx / kChunks, c = idx % kChunks;
+    uint4 piece = make_uint4(0, 0, 0, 0);
+    if (r < n) piece = *reinterpret_cast<const uint4*>(src + (row0 + r) * D + 8 * c);
+    *reinterpret_cast<uint4*>(tile + r * kLd<D> + 8 * c) = piece;
+  }
+}
+
+/// The larger of a and b, where a NaN in either wins (fmaxf drops it).
+__device__ __forceinline__ float max_keep_nan(float a, float b) { return (a > b || a != a) ? a : b; }
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads)
+    tensor_core_attention_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                                 T* __restrict__ out, float* __restrict__ lse, const int64_t* __restrict__ q_first,
+                                 const int64_t* __restrict__ q_last, const int64_t* __restrict__ k_pos,
+                                 BlockAttentionParams p) {
+  // Raw 16-bit shared memory viewed as T (T has a constructor, which __shared__ arrays may not).
+  __shared__ __align__(16) uint16_t tiles_raw[2 * kBc * kLd<D>];
+  T* k_tile = reinterpret_cast<T*>(tiles_raw);  // [kBc][kLd]; first the block's Q tile (kBr = kBc rows)
+  T* v_tile = k_tile + kBc * kLd<D>;             // [kBc][kLd]
+  __shared__ int64_t kpos_tile[kBc];
+  __shared__ int64_t block_first, block_last;
+  static_assert(kBr == kBc, "the Q tile borrows the K tile's shared memory");
+
+  const int64_t bh = blockIdx.x, b = bh / p.heads_q, h = bh % p.heads_q;
+  const int64_t bh_kv = b * p.heads_kv + h / (p.heads_q / p.heads_kv);
+  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kBr;
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const T* k_head = k + bh_kv * p.seq_k * D;
+  const T* v_head = v + bh_kv * p.seq_k * D;
+
+  // This lane's two rows, r = 0: row g, r = 1: row g + 8 of its warp's 16, and the keys each sees
+  // (rows past Sq see nothing: they still join every barrier and shuffle).
+  int64_t row[2], first[2], last[2];
+  for (int r = 0; r < 2; ++r) {
+    row[r] = row0 + 16 * warp + kernels::frag_c_row(lane, 2 * r);
+    const bool active = row[r] < p.seq_q;
+    first[r] = !active ? LLONG_MAX : p.masked ? q_first[row[r]] : LLONG_MIN;
+    last[r] = !active ? LLONG_MIN : p.masked ? q_last[row[r]] : LLONG_MAX;
+  }
+
+  // Q: the block's rows into shared memory, then each warp's 16 rows into A fragments, one per
+  // 16 dims, kept in registers for the whole kernel.
+  const int q_rows = p.seq_q - row0 < kBr ? static_cast<int>(p.seq_q - row0) : kBr;
+  load_tile<T, D, kBr>(k_tile, q + bh * p.seq_q * D, row0, q_rows);
+  if (threadIdx.x == 0) {  // the keys any row of the block sees: tiles outside them are skipped whole
+    int64_t lo = LLONG_MIN, hi = LLONG_MAX;
+    if (p.masked) kernels::covered_range(q_first + row0, q_last + row0, q_rows, lo, hi);
+    block_first = lo;
+    block_last = hi;
+  }
+  __syncthreads();
+  FragA q_frag[D / 16];
+  // BEGIN SOLUTION task 1: Q fragments
+  // STUB: // TODO(lesson 16, task 1): the warp's 16 rows of the Q tile into q_frag, one A fragment per 16 dims,
+  // STUB: // with ldmatrix_x4. README, "Task 1".
+  // STUB: (void)q_frag;
+CP_FRAGMENT_LOOP
+  for (int kk = 0; kk < D / 16; ++kk)
+    kernels::ldmatrix_x4(q_frag[kk].x, k_tile + (16 * warp + lane % 16) * kLd<D> + 16 * kk + 8 * (lane / 16));
+  // END SOLUTION
+  __syncthreads();  // every warp has its Q before the first K tile overwrites it
+
+  float m[2] = {-INFINITY, -INFINITY};  // each row's maximum so far (the same in the whole quad)
+  float l[2] = {0.0f, 0.0f};            // this lane's part of each row's sum: its own columns
+  FragC o[D / 8];                       // O, unnormalised: 16 rows × D per warp, float32
+
+  for (int64_t j0 = 0; j0 < p.seq_k; j0 += kBc) {
+    const int n = p.seq_k - j0 < kBc ? static_cast<int>(p.seq_k - j0) : kBc;
+    if (threadIdx.x < kBc) kpos_tile[threadIdx.x] = threadIdx.x < n ? k_pos[j0 + threadIdx.x] : LLONG_MAX;
+    __syncthreads();
+    if (p.masked) {  // the same answer in every thread: the whole block skips or none does
+      int64_t lo, hi;
+      kernels::covered_range(kpos_tile, kpos_tile, n, lo, hi);
+      if (lo > block_last || hi < block_first) {
+        __syncthreads();
+        continue;
+      }
+    }
+    load_tile<T, D, kBc>(k_tile, k_head, j0, n);
+    load_tile<T, D, kBc>(v_tile, v_head, j0, n);
+    __syncthreads();
+
+    // S = Q·Kᵀ for the warp's 16 rows and the tile's 64 keys: 8 C fragments of 16 × 8.
+    FragC s[kBc / 8];
+    // BEGIN SOLUTION task 1: S = Q·Kᵀ
+    // STUB: // TODO(lesson 16, task 1): s[nt] = Q · (keys 8nt … 8nt+7)ᵀ, one mma per 16 dims, the B fragments
+    // STUB: // from the K tile with ldmatrix_x2. README, "Task 1".
+CP_FRAGMENT_LOOP
+    for (int nt = 0; nt < kBc / 8; ++nt)
+CP_FRAGMENT_LOOP
+      for (int kk = 0; kk < D / 16; ++kk) {
+        FragB kb;  // B[dim][key] = K[key][dim]: K's rows are B's columns, as ldmatrix gives them
+        kernels::ldmatrix_x2(kb.x, k_tile + (8 * nt + lane % 8) * kLd<D> + 16 * kk + 8 * ((lane / 8) % 2));
+        kernels::mma<T>(s[nt], q_frag[kk], kb);
+      }
+    // END SOLUTION
+
+    // BEGIN SOLUTION task 2: the mask and the online softmax on fragments
+    // STUB: // TODO(lesson 16, task 2): scale and mask each element of s by its global row and key (the map),
+    // STUB: // each row's maximum over its quad, then rescale l and O and turn s into p. README, "Task 2".
+    // STUB: (void)first, (void)last, (void)m, (void)l, (void)n;
+    float tile_max[2] = {-INFINITY, -INFINITY};
+CP_FRAGMENT_LOOP
+    for (int nt = 0; nt < kBc / 8; ++nt)
+CP_FRAGMENT_LOOP
+      for (int e = 0; e < 4; ++e) {
+        const int r = e / 2, key = 8 * nt + kernels::frag_c_col(lane, e);
+        const int64_t pos = kpos_tile[key];
+        const bool visible = key < n && first[r] <= pos && pos <= last[r];
+        s[nt].x[e] = visible ? s[nt].x[e] * p.scale : -INFINITY;
+        tile_max[r] = max_keep_nan(tile_max[r], s[nt].x[e]);
+      }
+    float alpha[2];
+CP_FRAGMENT_LOOP
+    for (int r = 0; r < 2; ++r) {
+      // The row's 64 scores lie in the 4 lanes of the quad: two shuffles give each the maximum.
+      tile_max[r] = max_keep_nan(tile_max[r], __shfl_xor_sync(kFullWarp, tile_max[r], 1));
+      tile_max[r] = max_keep_nan(tile_max[r], __shfl_xor_sync(kFullWarp, tile_max[r], 2));
+      const float m_new = max_keep_nan(m[r], tile_max[r]);
+      alpha[r] = m_new == -INFINITY ? 1.0f : expf(m[r] - m_new);  // 0 on the row's first visible tile
+      m[r] = m_new;
+      l[r] *= alpha[r];
+    }
+CP_FRAGMENT_LOOP
+    for (int nt = 0; nt < kBc / 8; ++nt)
+CP_FRAGMENT_LOOP
+      for (int e = 0; e < 4; ++e) {
+        const int r = e / 2;
+        s[nt].x[e] = s[nt].x[e] == -INFINITY ? 0.0f : expf(s[nt].x[e] - m[r]);  // s becomes p
+        l[r] += s[nt].x[e];
+      }
+CP_FRAGMENT_LOOP
+    for (int dt = 0; dt < D / 8; ++dt)
+CP_FRAGMENT_LOOP
+      for (int e = 0; e < 4; ++e) o[dt].x[e] *= alpha[e / 2];
+    // END SOLUTION
+
+    // BEGIN SOLUTION task 3: O += P·V with P as the A operand
+    // STUB: // TODO(lesson 16, task 3): p of keys 16kk … 16kk+15 (s[2kk], s[2kk+1]) packed into an A fragment,
+    // STUB: // then o[dt] += P · V[keys, dims 8dt … 8dt+7], the B fragments from the V tile with
+    // STUB: // ldmatrix_x2_trans. README, "Task 3".
+CP_FRAGMENT_LOOP
+    for (int kk = 0; kk < kBc / 16; ++kk) {
+      // C fragments of keys 16kk … 16kk+7 and 16kk+8 … 16kk+15 are, element for element, the
+      // halves of an A fragment over those 16 keys (kernels/mma_map.h): no shared memory needed.
+      FragA pa;
+      pa.x[0] = kernels::pack2<T>(s[2 * kk].x[0], s[2 * kk].x[1]);          // row g,   keys 2t, 2t+1
+      pa.x[1] = kernels::pack2<T>(s[2 * kk].x[2], s[2 * kk].x[3]);          // row g+8
+      pa.x[2] = kernels::pack2<T>(s[2 * kk + 1].x[0], s[2 * kk + 1].x[1]);  // row g,   keys 2t+8, 2t+9
+      pa.x[3] = kernels::pack2<T>(s[2 * kk + 1].x[2], s[2 * kk + 1].x[3]);  // row g+8
+CP_FRAGMENT_LOOP
+      for (int dt = 0; dt < D / 8; ++dt) {
+        FragB vb;  // B[key][dim] = V[key][dim]: row-major, read transposed
+        kernels::ldmatrix_x2_trans(vb.x, v_tile + (16 * kk + lane % 16) * kLd<D> + 8 * dt);
+        kernels::mma<T>(o[dt], pa, vb);
+      }
+    }
+    // END SOLUTION
+    __syncthreads();  // every warp is done with the tiles before the next ones overwrite them
+  }
+
+  // BEGIN SOLUTION task 3: out and lse
+  // STUB: // TODO(lesson 16, task 3): each row's sum over its quad, then out = O / l and lse = m + log l
+  // STUB: // (0 and −inf for a row that saw no key). README, "Task 3".
+  // STUB: (void)out, (void)lse;
+  float inv_l[2];
+CP_FRAGMENT_LOOP
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(kFullWarp, l[r], 1);
+    l[r] += __shfl_xor_sync(kFullWarp, l[r], 2);
+    inv_l[r] = l[r] == 0.0f ? 0.0f : 1.0f / l[r];
+  }
+CP_FRAGMENT_LOOP
+  for (int dt = 0; dt < D / 8; ++dt)
+CP_FRAGMENT_LOOP
+    for (int e = 0; e < 4; ++e) {
+      const int r = e / 2;
+      if (row[r] < p.seq_q)
+        out[(bh * p.seq_q + row[r]) * D + 8 * dt + kernels::frag_c_col(lane, e)] =
+            kernels::from_float<T>(o[dt].x[e] * inv_l[r]);
+    }
+  for (int r = 0; r < 2; ++r)
+    if (row[r] < p.seq_q && lane % 4 == 0)
+      lse[bh * p.seq_q + row[r]] = l[r] == 0.0f ? -INFINITY : m[r] == INFINITY ? INFINITY : m[r] + logf(l[r]);
+  // END SOLUTION
+}
+
+template <typename T, int D>
+void launch(const void* q, const void* k, const void* v, void* out, float* lse, const int64_t* q_first,
+            const int64_t* q_last, const int64_t* k_pos, const BlockAttentionParams& p, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(p.batch * p.heads_q), static_cast<unsigned>((p.seq_q + kBr - 1) / kBr));
+  // BEGIN SOLUTION task 3: launch
+  // STUB: // TODO(lesson 16, task 3): launch the kernel once tasks 1 to 3 are written (the tests need all three).
+  // STUB: (void)grid, (void)q, (void)k, (void)v, (void)out, (void)lse, (void)q_first, (void)q_last, (void)k_pos,
+  // STUB: (void)stream;
+  // STUB: throw NotImplemented("lesson 16, task 3: the tensor-core kernel (tasks 1 to 3, then its launch)");
+  tensor_core_attention_kernel<T, D><<<grid, kThreads, 0, stream>>>(
+      static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), static_cast<T*>(out), lse,
+      q_first, q_last, k_pos, p);
+  CUDA_CHECK_LAUNCH();
+  // END SOLUTION
+}
+
+}  // namespace
+
+bool tensor_core_attention_supports_head_dim(int64_t head_dim) { return head_dim == 64 || head_dim == 128; }
+
+void launch_tensor_core_attention_forward(const void* q, const void* k, const void* v, void* out, float* lse,
+                                          const int64_t* q_first, const int64_t* q_last, const int64_t* k_pos,
+                                          const BlockAttentionParams& p, DType dtype, cudaStream_t stream) {
+  CP_CHECK(dtype != DType::Float32, "tensor-core attention: the matrix units take float16 or bfloat16, got float32");
+  CP_CHECK(tensor_core_attention_supports_head_dim(p.head_dim), "tensor-core attention: unsupported head dim ",
+           p.head_dim, " (64 or 128)");
+  CP_CHECK(p.batch * p.heads_q <= INT32_MAX && (p.seq_q + kBr - 1) / kBr <= 65535,
+           "tensor-core attention: grid too large (B·Hq = ", p.batch * p.heads_q, ", Sq = ", p.seq_q, ")");
+  if (p.batch * p.heads_q == 0 || p.seq_q == 0) return;
+  kernels::dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    if constexpr (sizeof(T) == 2) {
+      if (p.head_dim == 64) launch<T, 64>(q, k, v, out, lse, q_first, q_last, k_pos, p, stream);
+      else launch<T, 128>(q, k, v, out, lse, q_first, q_last, k_pos, p, stream);
+    }
+  });
+}
+
+}  // namespace cp

@@ -1,0 +1,47 @@
+// Lesson 16 — the torch side of the matrix-unit kernel: lesson 03's checks, then the launch.
+#include "tensor_cores.h"
+
+#include <cmath>
+
+#include "common/error.h"
+#include "common/tensor_checks.h"
+
+#if CP_WITH_CUDA
+#include "common/device.h"
+#include "tensor_core_attention.cuh"
+#endif
+
+namespace cp {
+
+AttnResult attention_forward_tensor_cores(const torch::Tensor& q_in, const torch::Tensor& k_in,
+                                          const torch::Tensor& v_in, const AttentionMask& mask,
+                                          std::optional<double> scale) {
+  const AttentionShapes s = check_attention_inputs(q_in, k_in, v_in);
+  CP_CHECK(q_in.scalar_type() == torch::kHalf || q_in.scalar_type() == torch::kBFloat16,
+           "q: the matrix units take float16 or bfloat16, got ", q_in.dtype());
+  CP_CHECK(q_in.is_cuda(), "q: the matrix units are a GPU's; q is on ", q_in.device());
+#if CP_WITH_CUDA
+  CP_CHECK(tensor_core_attention_supports_head_dim(s.head_dim), "q: head dim ", s.head_dim,
+           " is not supported by the tensor-core kernel (64 or 128)");
+  const torch::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+  const torch::Tensor q_pos = mask_positions(mask.q_positions, s.seq_q, q.device(), "mask.q_positions");
+  const torch::Tensor k_pos = mask_positions(mask.k_positions, s.seq_k, q.device(), "mask.k_positions");
+  const VisibleKeys keys = visible_keys(mask, q_pos);
+  const float softmax_scale = static_cast<float>(scale.value_or(1.0 / std::sqrt(static_cast<double>(s.head_dim))));
+  AttnResult result{torch::empty_like(q), torch::empty({s.batch, s.heads_q, s.seq_q}, q.options().dtype(torch::kFloat))};
+  const BlockAttentionParams params{s.batch, s.heads_q, s.heads_kv, s.seq_q, s.seq_k, s.head_dim, softmax_scale,
+                                    keys.masked};
+  const CudaDeviceScope cuda(q.device());
+  launch_tensor_core_attention_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), result.out.data_ptr(),
+                                       result.lse.data_ptr<float>(),
+                                       keys.masked ? keys.first.data_ptr<int64_t>() : nullptr,
+                                       keys.masked ? keys.last.data_ptr<int64_t>() : nullptr,
+                                       k_pos.data_ptr<int64_t>(), params, kernel_dtype(q, "q"), cuda.stream());
+  return result;
+#else
+  (void)mask, (void)scale;
+  CP_FAIL("q is a CUDA tensor (", q_in.device(), ") but this build has no CUDA (nvcc was not found)");
+#endif
+}
+
+}  // namespace cp

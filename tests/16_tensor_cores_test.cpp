@@ -1,0 +1,161 @@
+// Lesson 16 — the block attention forward on the matrix units, against float64 attention: float16
+// and bfloat16, D = 64 and 128, shapes that are not multiples of the tiles, GQA, causal masks from
+// global positions (rows that see no key included), sliding windows and packed documents. The
+// kernel runs on device buffers (a GPU, or CUDA on the CPU, whose mma is the emulation of
+// kernels/mma.cuh); the torch function on CUDA tensors where a GPU is present.
+#include <torch/types.h>
+
+#include <cmath>
+
+#include "common/error.h"
+#include "common/tensor_checks.h"
+#include "tensor_cores.h"
+#include "testing/device_buffer.h"
+#include "testing/harness.h"
+#include "testing/oracle.h"
+
+#if CP_WITH_CUDA
+#include "tensor_core_attention.cuh"
+#endif
+
+namespace cp {
+namespace {
+
+using testing::expect_error;
+using testing::OracleMask;
+
+const std::vector<std::string> kDims = {"b", "h", "s", "d"};
+
+struct Case {
+  int64_t batch, heads_q, heads_kv, seq_q, seq_k, head_dim;
+};
+
+struct Inputs {
+  torch::Tensor q, k, v;  // in the dtype under test, on the CPU
+};
+
+Inputs random_inputs(const Case& c, torch::ScalarType dtype, uint64_t seed) {
+  auto make = [&](int64_t heads, int64_t seq, uint64_t salt) {
+    return testing::random_with_outliers({c.batch, heads, seq, c.head_dim}, seed * 3 + salt, 1.0, 0.0).to(dtype);
+  };
+  return {make(c.heads_q, c.seq_q, 0), make(c.heads_kv, c.seq_k, 1), make(c.heads_kv, c.seq_k, 2)};
+}
+
+/// The tolerance of out: the kernel rounds P to the input format before P·V (the A operand of the
+/// matrix units is 16-bit), as FlashAttention-2 does, so out carries that rounding, u · max|v|
+/// (unit roundoff u: 2⁻¹¹ float16, 2⁻⁸ bfloat16), on top of lesson 03's tolerance.
+Tolerance out_tolerance(const torch::Tensor& v) {
+  const Tolerance base = testing::tolerance_for(v.scalar_type());
+  const double u = v.scalar_type() == torch::kHalf ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8);
+  return {base.abs + 2 * u * v.abs().max().item<double>(), base.rel};
+}
+
+#if CP_WITH_CUDA
+using testing::DeviceBuffer;
+using testing::TestStream;
+
+AttnResult run_kernel(const Inputs& in, const OracleMask& mask, double scale) {
+  AttentionMask am;
+  am.causal = mask.causal;
+  am.q_positions = mask.q_pos;
+  am.k_positions = mask.k_pos;
+  am.window = mask.window;
+  am.documents = mask.documents;
+  const VisibleKeys keys = visible_keys(am, mask.q_pos);
+  const BlockAttentionParams p{in.q.size(0), in.q.size(1), in.k.size(1), in.q.size(2), in.k.size(2), in.q.size(3),
+                               static_cast<float>(scale), keys.masked};
+  TestStream stream;
+  DeviceBuffer q(in.q), k(in.k), v(in.v), k_pos(mask.k_pos);
+  DeviceBuffer first(keys.masked ? keys.first : mask.q_pos), last(keys.masked ? keys.last : mask.q_pos);
+  DeviceBuffer out(in.q.sizes().vec(), in.q.scalar_type()), lse({p.batch, p.heads_q, p.seq_q}, torch::kFloat);
+  launch_tensor_core_attention_forward(q.get(), k.get(), v.get(), out.get(), lse.as<float>(), first.as<int64_t>(),
+                                       last.as<int64_t>(), k_pos.as<int64_t>(), p, kernel_dtype(in.q, "q"),
+                                       stream.get());
+  return {out.to_host(stream.get()), lse.to_host(stream.get())};
+}
+
+void check_kernel(const Case& c, OracleMask mask, torch::ScalarType dtype, uint64_t seed, const std::string& what) {
+  if (!mask.q_pos.defined()) mask.q_pos = torch::arange(c.seq_q);
+  if (!mask.k_pos.defined()) mask.k_pos = torch::arange(c.seq_k);
+  const Inputs in = random_inputs(c, dtype, seed);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
+  const auto [out, lse] = testing::oracle_attention(in.q.to(torch::kDouble), in.k.to(torch::kDouble),
+                                                    in.v.to(torch::kDouble), mask, scale);
+  const AttnResult got = run_kernel(in, mask, scale);
+  const std::string name = what + ", " + std::string(dtype == torch::kHalf ? "float16" : "bfloat16") + ", B" +
+                           std::to_string(c.batch) + " Hq" + std::to_string(c.heads_q) + " Hkv" +
+                           std::to_string(c.heads_kv) + " Sq" + std::to_string(c.seq_q) + " Sk" +
+                           std::to_string(c.seq_k) + " D" + std::to_string(c.head_dim);
+  CP_EXPECT_CLOSE(got.out, out, "out, " + name, kDims, out_tolerance(in.v));
+  CP_EXPECT_CLOSE(got.lse, lse, "lse, " + name, {"b", "h", "s"});
+}
+
+CP_TEST(Lesson16Kernels, Task3_KernelMatchesTheOracleForEveryDtypeHeadDimAndGroup) {
+  CP_REQUIRE_CUDA_RUNTIME();
+  const std::vector<Case> cases = {
+      {1, 1, 1, 1, 1, 64},     // one query, one key
+      {2, 4, 2, 70, 130, 64},  // GQA 2, neither length a multiple of a tile
+      {1, 8, 1, 64, 64, 128},  // MQA, exactly one tile
+      {1, 4, 4, 17, 200, 128}, // fewer queries than a warp's 16 rows in the last block, four key tiles
+  };
+  uint64_t seed = 160;
+  for (auto dtype : {torch::kHalf, torch::kBFloat16})
+    for (const Case& c : cases)
+      for (bool causal : {false, true}) check_kernel(c, {causal, {}, {}}, dtype, seed++, causal ? "causal" : "full");
+}
+
+CP_TEST(Lesson16Kernels, Task3_KernelCausalMaskFromGlobalPositions) {
+  CP_REQUIRE_CUDA_RUNTIME();
+  const int64_t s = 150;  // three 64-row blocks and three 64-key tiles, a multiple of neither
+  for (const testing::PositionLayout& layout : testing::causal_position_layouts(s))
+    for (int64_t d : {64, 128})
+      check_kernel({1, 4, 2, s, s, d}, {true, layout.q_pos, layout.k_pos}, d == 64 ? torch::kBFloat16 : torch::kHalf,
+                   161, layout.name);
+}
+
+CP_TEST(Lesson16Kernels, Task3_KernelWindowsAndDocuments) {
+  CP_REQUIRE_CUDA_RUNTIME();
+  const int64_t s = 150;
+  for (const auto& [name, mask] : testing::window_and_document_masks(s))
+    for (auto dtype : {torch::kHalf, torch::kBFloat16}) check_kernel({1, 4, 2, s, s, 64}, mask, dtype, 162, name);
+}
+
+CP_TEST(Lesson16Kernels, Task3_KernelRejectsFloat32AndOtherHeadDims) {
+  CP_REQUIRE_CUDA_RUNTIME();
+  check_kernel({1, 1, 1, 4, 4, 64}, {false, {}, {}}, torch::kHalf, 163, "counts once implemented");
+  const Inputs f32 = random_inputs({1, 1, 1, 4, 4, 64}, torch::kFloat, 1);
+  expect_error([&] { run_kernel(f32, {false, torch::arange(4), torch::arange(4)}, 0.125); },
+               "the matrix units take float16 or bfloat16, got float32");
+  const Inputs d32 = random_inputs({1, 1, 1, 4, 4, 32}, torch::kHalf, 1);
+  expect_error([&] { run_kernel(d32, {false, torch::arange(4), torch::arange(4)}, 0.125); }, "unsupported head dim 32");
+}
+#else
+CP_KERNEL_TESTS_NEED_CUDA(Lesson16Kernels)
+#endif
+
+// ── CUDA tensors (a GPU and a CUDA LibTorch) ───────────────────────────────────────────────
+
+CP_TEST(Lesson16Cuda, Task3_ForwardOnCudaTensorsMatchesTheOracle) {
+  CP_REQUIRE_GPU();
+  const Case c{2, 8, 2, 300, 300, 128};
+  for (auto dtype : {torch::kHalf, torch::kBFloat16}) {
+    const Inputs in = random_inputs(c, dtype, 164);
+    const double scale = 1.0 / std::sqrt(128.0);
+    const auto [out, lse] = testing::oracle_attention(in.q.to(torch::kDouble), in.k.to(torch::kDouble),
+                                                      in.v.to(torch::kDouble), true, torch::arange(c.seq_q),
+                                                      torch::arange(c.seq_k), scale);
+    const AttnResult got = attention_forward_tensor_cores(in.q.cuda(), in.k.cuda(), in.v.cuda(), causal_mask(true));
+    CP_EXPECT_CLOSE(got.out.cpu(), out, "out on cuda", kDims, out_tolerance(in.v));
+    CP_EXPECT_CLOSE(got.lse.cpu(), lse, "lse on cuda", {"b", "h", "s"});
+  }
+  expect_error([&] { attention_forward_tensor_cores(torch::zeros({1, 1, 4, 64}), torch::zeros({1, 1, 4, 64}),
+                                                    torch::zeros({1, 1, 4, 64})); },
+               "q: the matrix units take float16 or bfloat16");
+  const auto half_cpu = torch::TensorOptions().dtype(torch::kHalf);
+  expect_error([&] { attention_forward_tensor_cores(torch::zeros({1, 1, 4, 64}, half_cpu), torch::zeros({1, 1, 4, 64}, half_cpu),
+                                                    torch::zeros({1, 1, 4, 64}, half_cpu)); },
+               "q: the matrix units are a GPU's");
+}
+
+}  // namespace
+}  // namespace cp
