@@ -1,6 +1,7 @@
 // What a GPU day measures (tools/gpu-check runs it on a lent GPU): two '#'-headed tables.
 //
-//   attention  the course's block attention (lesson 03 forward, lesson 05 backward) in TFLOP/s
+//   attention  the course's block attention (lesson 03 forward, lesson 05 backward, and for
+//              16-bit inputs lesson 16's forward on the matrix units, row fwd-tc) in TFLOP/s
 //              beside at::scaled_dot_product_attention, PyTorch's fused attention, on the same
 //              inputs and the same GPU: float32 and bfloat16, D = 64 and 128, S = 4k to 16k,
 //              causal and not; the relative error of each against the other.
@@ -35,6 +36,7 @@
 #include "common/world.h"
 #include "ring_attention.h"
 #include "ring_attention_backward.h"
+#include "tensor_cores.h"
 #include "timing.h"
 
 #if TORCH_VERSION_MAJOR < 2
@@ -126,6 +128,21 @@ void attention_table(const torch::Device& device, const std::vector<std::string>
                  sync(device);
                }});
           row("forward", fwd_flop, fwd_ms, relative_error(fwd.out, sdpa_out));
+          if (device.is_cuda() && dtype != torch::kFloat && (d == 64 || d == 128)) {  // lesson 16's matrix units
+            cp::AttnResult tc;
+            const std::vector<double> tc_ms = cp::bench::median_ms(
+                repeats, true,
+                {[&] {
+                   tc = cp::attention_forward_tensor_cores(q, k, v, mask);
+                   sync(device);
+                 },
+                 [&] {
+                   torch::NoGradGuard no_grad;
+                   sdpa_out = at::scaled_dot_product_attention(q, k, v, {}, 0.0, causal);
+                   sync(device);
+                 }});
+            row("fwd-tc", fwd_flop, tc_ms, relative_error(tc.out, sdpa_out));
+          }
 
           cp::AttnGrads grads;
           torch::Tensor qg, kg, vg;
