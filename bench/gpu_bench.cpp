@@ -116,17 +116,17 @@ void attention_table(const torch::Device& device, const std::vector<std::string>
 
           cp::AttnResult fwd;
           torch::Tensor sdpa_out;
-          const std::vector<double> fwd_ms = cp::bench::median_ms(
-              repeats, true,
-              {[&] {
-                 fwd = cp::attention_block_forward(q, k, v, mask);
-                 sync(device);
-               },
-               [&] {
-                 torch::NoGradGuard no_grad;
-                 sdpa_out = at::scaled_dot_product_attention(q, k, v, {}, 0.0, causal);
-                 sync(device);
-               }});
+          const std::function<void()> sdpa_forward = [&] {
+            torch::NoGradGuard no_grad;
+            sdpa_out = at::scaled_dot_product_attention(q, k, v, {}, 0.0, causal);
+            sync(device);
+          };
+          const std::vector<double> fwd_ms = cp::bench::median_ms(repeats, true,
+                                                                  {[&] {
+                                                                     fwd = cp::attention_block_forward(q, k, v, mask);
+                                                                     sync(device);
+                                                                   },
+                                                                   sdpa_forward});
           row("forward", fwd_flop, fwd_ms, relative_error(fwd.out, sdpa_out));
           if (device.is_cuda() && dtype != torch::kFloat && (d == 64 || d == 128)) {  // lesson 16's matrix units
             cp::AttnResult tc;
@@ -136,11 +136,7 @@ void attention_table(const torch::Device& device, const std::vector<std::string>
                    tc = cp::attention_forward_tensor_cores(q, k, v, mask);
                    sync(device);
                  },
-                 [&] {
-                   torch::NoGradGuard no_grad;
-                   sdpa_out = at::scaled_dot_product_attention(q, k, v, {}, 0.0, causal);
-                   sync(device);
-                 }});
+                 sdpa_forward});
             row("fwd-tc", fwd_flop, tc_ms, relative_error(tc.out, sdpa_out));
           }
 
