@@ -128,6 +128,16 @@ CP_TEST(Lesson16Kernels, Task3_KernelRejectsFloat32AndOtherHeadDims) {
                "the matrix units take float16 or bfloat16, got float32");
   const Inputs d32 = random_inputs({1, 1, 1, 4, 4, 32}, torch::kHalf, 1);
   expect_error([&] { run_kernel(d32, {false, torch::arange(4), torch::arange(4)}, 0.125); }, "unsupported head dim 32");
+  // q one element past a 16-byte boundary (a view into the middle of a row): the loads need 16.
+  const Inputs in = random_inputs({1, 1, 1, 4, 4, 64}, torch::kHalf, 1);
+  TestStream stream;
+  DeviceBuffer q(in.q), k(in.k), v(in.v), pos(torch::arange(4));
+  DeviceBuffer out(in.q.sizes().vec(), in.q.scalar_type()), lse({1, 1, 4}, torch::kFloat);
+  const BlockAttentionParams p{1, 1, 1, 3, 4, 64, 0.125f, false};
+  expect_error([&] { launch_tensor_core_attention_forward(static_cast<const char*>(q.get()) + 2, k.get(), v.get(),
+                                                          out.get(), lse.as<float>(), pos.as<int64_t>(), pos.as<int64_t>(),
+                                                          pos.as<int64_t>(), p, DType::Float16, stream.get()); },
+               "must start on a 16-byte boundary");
 }
 #else
 CP_KERNEL_TESTS_NEED_CUDA(Lesson16Kernels)

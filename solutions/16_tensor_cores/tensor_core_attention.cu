@@ -259,6 +259,9 @@ void launch_tensor_core_attention_forward(const void* q, const void* k, const vo
            p.head_dim, " (64 or 128)");
   CP_CHECK(p.batch * p.heads_q <= INT32_MAX && (p.seq_q + kBr - 1) / kBr <= 65535,
            "tensor-core attention: grid too large (B·Hq = ", p.batch * p.heads_q, ", Sq = ", p.seq_q, ")");
+  auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  CP_CHECK(aligned(q) && aligned(k) && aligned(v), "tensor-core attention: q, k and v must start on a 16-byte ",
+           "boundary (the tiles are loaded 16 bytes at a time)");
   if (p.batch * p.heads_q == 0 || p.seq_q == 0) return;
   kernels::dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
