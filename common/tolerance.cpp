@@ -1,6 +1,7 @@
 #include "common/tolerance.h"
 
 #include <algorithm>
+#include <cmath>
 
 namespace cp {
 
@@ -23,6 +24,12 @@ Tolerance gradient_tolerance(torch::ScalarType dtype, const torch::Tensor& expec
   const Tolerance base = tolerance_for(dtype);
   const double scale = expected.numel() ? expected.abs().max().item<double>() : 0.0;
   return {std::max(base.abs, base.rel * scale), base.rel};
+}
+
+Tolerance matrix_unit_tolerance(const torch::Tensor& v) {
+  const Tolerance base = tolerance_for(v.scalar_type());
+  const double u = v.scalar_type() == torch::kHalf ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8);
+  return {base.abs + 2 * u * v.abs().max().item<double>(), base.rel};
 }
 
 }  // namespace cp

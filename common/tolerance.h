@@ -22,4 +22,10 @@ Tolerance tolerance_for(torch::ScalarType dtype);
 /// the element: a near-zero element of dK carries the absolute error of its large neighbours.
 Tolerance gradient_tolerance(torch::ScalarType dtype, const torch::Tensor& expected);
 
+/// The tolerance for out of attention on the matrix units (lesson 16), whose inputs are 16-bit:
+/// P is rounded to v's dtype before P·V (the units take nothing wider), as FlashAttention-2 does,
+/// so out carries that rounding, about u · max|v| (unit roundoff u: 2⁻¹¹ float16, 2⁻⁸ bfloat16),
+/// on top of the dtype's tolerance: twice that is added to its absolute part.
+Tolerance matrix_unit_tolerance(const torch::Tensor& v);
+
 }  // namespace cp

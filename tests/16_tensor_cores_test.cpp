@@ -9,6 +9,7 @@
 
 #include "common/error.h"
 #include "common/tensor_checks.h"
+#include "common/tolerance.h"
 #include "tensor_cores.h"
 #include "testing/device_buffer.h"
 #include "testing/harness.h"
@@ -39,15 +40,6 @@ Inputs random_inputs(const Case& c, torch::ScalarType dtype, uint64_t seed) {
     return testing::random_with_outliers({c.batch, heads, seq, c.head_dim}, seed * 3 + salt, 1.0, 0.0).to(dtype);
   };
   return {make(c.heads_q, c.seq_q, 0), make(c.heads_kv, c.seq_k, 1), make(c.heads_kv, c.seq_k, 2)};
-}
-
-/// The tolerance of out: the kernel rounds P to the input format before P·V (the A operand of the
-/// matrix units is 16-bit), as FlashAttention-2 does, so out carries that rounding, u · max|v|
-/// (unit roundoff u: 2⁻¹¹ float16, 2⁻⁸ bfloat16), on top of lesson 03's tolerance.
-Tolerance out_tolerance(const torch::Tensor& v) {
-  const Tolerance base = testing::tolerance_for(v.scalar_type());
-  const double u = v.scalar_type() == torch::kHalf ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8);
-  return {base.abs + 2 * u * v.abs().max().item<double>(), base.rel};
 }
 
 #if CP_WITH_CUDA
@@ -86,7 +78,7 @@ void check_kernel(const Case& c, OracleMask mask, torch::ScalarType dtype, uint6
                            std::to_string(c.batch) + " Hq" + std::to_string(c.heads_q) + " Hkv" +
                            std::to_string(c.heads_kv) + " Sq" + std::to_string(c.seq_q) + " Sk" +
                            std::to_string(c.seq_k) + " D" + std::to_string(c.head_dim);
-  CP_EXPECT_CLOSE(got.out, out, "out, " + name, kDims, out_tolerance(in.v));
+  CP_EXPECT_CLOSE(got.out, out, "out, " + name, kDims, matrix_unit_tolerance(in.v));
   CP_EXPECT_CLOSE(got.lse, lse, "lse, " + name, {"b", "h", "s"});
 }
 
@@ -155,7 +147,7 @@ CP_TEST(Lesson16Cuda, Task3_ForwardOnCudaTensorsMatchesTheOracle) {
                                                       in.v.to(torch::kDouble), true, torch::arange(c.seq_q),
                                                       torch::arange(c.seq_k), scale);
     const AttnResult got = attention_forward_tensor_cores(in.q.cuda(), in.k.cuda(), in.v.cuda(), causal_mask(true));
-    CP_EXPECT_CLOSE(got.out.cpu(), out, "out on cuda", kDims, out_tolerance(in.v));
+    CP_EXPECT_CLOSE(got.out.cpu(), out, "out on cuda", kDims, matrix_unit_tolerance(in.v));
     CP_EXPECT_CLOSE(got.lse.cpu(), lse, "lse on cuda", {"b", "h", "s"});
   }
   expect_error([&] { attention_forward_tensor_cores(torch::zeros({1, 1, 4, 64}), torch::zeros({1, 1, 4, 64}),
