@@ -396,12 +396,13 @@ std::vector<int64_t> local_decode_fields(const torch::Tensor& q, const torch::Te
           std::numeric_limits<int64_t>::max()};
 }
 
-/// Every rank decodes the same positions, and sequence b's shards hold its positions before
-/// positions[b], each once: one all-gather of [positions, tokens held] (a cp::ErrorOnEveryRank).
-void check_decode_batch(Comm& comm, torch::Device device, const torch::Tensor& positions,
+/// Every rank decodes the same positions (`pos`: int64 [B] on the CPU, contiguous), and sequence
+/// b's shards hold its positions before pos[b], each once: one all-gather of [positions, tokens
+/// held] (a cp::ErrorOnEveryRank).
+void check_decode_batch(Comm& comm, torch::Device device, const torch::Tensor& pos,
                         const std::vector<KvCacheShard>& caches) {
-  const int64_t batch = positions.size(0);
-  std::vector<int64_t> row(positions.cpu().data_ptr<int64_t>(), positions.cpu().data_ptr<int64_t>() + batch);
+  const int64_t batch = pos.size(0);
+  std::vector<int64_t> row(pos.data_ptr<int64_t>(), pos.data_ptr<int64_t>() + batch);
   for (const KvCacheShard& shard : caches) row.push_back(shard.positions.size(0));
   const torch::Tensor all =
       comm.all_gather(torch::tensor(row, torch::kLong).to(device).unsqueeze(0)).cpu().view({comm.size(), 2, batch});
@@ -433,9 +434,9 @@ DecodeResult decode_step(Comm& comm, const torch::Tensor& q, const torch::Tensor
     error = e.what();
   }
   agree(comm, q.defined() ? q.device() : torch::Device(torch::kCPU), error, fields);
-  check_decode_batch(comm, q.device(), positions, caches);
+  const torch::Tensor pos = positions.cpu().contiguous();
+  check_decode_batch(comm, q.device(), pos, caches);
   const int p = comm.size(), rank = comm.rank();
-  const torch::Tensor pos = positions.cpu();
   const int64_t batch = q.size(0);
   DecodeResult result;
   // BEGIN YOUR CODE task 5: decode
