@@ -108,6 +108,14 @@ void record_stream_use(const torch::Tensor& t, cudaStream_t stream, c10::Device 
 #endif
 }
 
+int compute_capability_major(c10::Device device) {
+  CP_CHECK(device.is_cuda() && device.has_index(), "compute_capability_major: expected a CUDA device with an index, got ",
+           device);
+  int major = 0;
+  CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device.index()));
+  return major;
+}
+
 CudaDeviceScope::CudaDeviceScope(c10::Device device) {
   CP_CHECK(device.is_cuda() && device.has_index(), "CudaDeviceScope: expected a CUDA device with an index, got ", device);
 #if CP_TORCH_CUDA

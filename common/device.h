@@ -51,6 +51,10 @@ cudaStream_t current_cuda_stream();
 /// a transfer that may never complete.
 void record_stream_use(const torch::Tensor& t, cudaStream_t stream, c10::Device stream_device);
 
+/// The major compute capability of a CUDA device (8: A100, 9: H100): which instructions its
+/// kernels may use. `device` needs an index (q.device() of a CUDA tensor has one).
+int compute_capability_major(c10::Device device);
+
 /// For the scope: the GPU of a CUDA tensor becomes the thread's current device (kernels launch
 /// on the current device, and a rank thread starts on device 0 whatever its tensors' device),
 /// and stream() is that device's current LibTorch stream. The previous device comes back at the

@@ -10,6 +10,8 @@
 #include "common/error.h"
 #include "common/tensor_checks.h"
 #include "common/tolerance.h"
+#include "common/world.h"
+#include "ring_attention.h"
 #include "tensor_cores.h"
 #include "testing/device_buffer.h"
 #include "testing/harness.h"
@@ -157,6 +159,52 @@ CP_TEST(Lesson16Cuda, Task3_ForwardOnCudaTensorsMatchesTheOracle) {
   expect_error([&] { attention_forward_tensor_cores(torch::zeros({1, 1, 4, 64}, half_cpu), torch::zeros({1, 1, 4, 64}, half_cpu),
                                                     torch::zeros({1, 1, 4, 64}, half_cpu)); },
                "q: the matrix units are a GPU's");
+}
+
+/// use_tensor_cores(true) for the scope; lesson 03's kernel again after it, even on a failure.
+struct TensorCoresInScope {
+  TensorCoresInScope() { use_tensor_cores(true); }
+  ~TensorCoresInScope() { use_tensor_cores(false); }
+  TensorCoresInScope(const TensorCoresInScope&) = delete;
+  TensorCoresInScope& operator=(const TensorCoresInScope&) = delete;
+};
+
+CP_TEST(Lesson16Cuda, Task3_UseTensorCoresRunsLesson03sForwardAndTheRingsOnTheMatrixUnits) {
+  CP_REQUIRE_GPU();
+  const Case c{1, 4, 2, 192, 192, 64};
+  const Inputs in = random_inputs(c, torch::kBFloat16, 165);
+  const torch::Tensor q = in.q.cuda(), k = in.k.cuda(), v = in.v.cuda();
+  const AttnResult lesson03 = attention_block_forward(q, k, v, causal_mask(true));
+  const AttnResult float32_before = attention_block_forward(q.to(torch::kFloat), k.to(torch::kFloat),
+                                                            v.to(torch::kFloat), causal_mask(true));
+  const TensorCoresInScope on;
+  // The kernels are deterministic: the same bits say which one ran.
+  const AttnResult selected = attention_block_forward(q, k, v, causal_mask(true));
+  const AttnResult tensor_cores = attention_forward_tensor_cores(q, k, v, causal_mask(true));
+  EXPECT_TRUE(torch::equal(selected.out, tensor_cores.out) && torch::equal(selected.lse, tensor_cores.lse))
+      << "attention_block_forward on bfloat16 CUDA tensors after use_tensor_cores(true) is not the matrix-unit kernel";
+  EXPECT_FALSE(torch::equal(selected.out, lesson03.out))
+      << "out on the matrix units equals lesson 03's kernel bit for bit: P's rounding to bfloat16 should show";
+  const AttnResult float32_after = attention_block_forward(q.to(torch::kFloat), k.to(torch::kFloat),
+                                                           v.to(torch::kFloat), causal_mask(true));
+  EXPECT_TRUE(torch::equal(float32_after.out, float32_before.out))
+      << "float32 must stay on lesson 03's kernel (the matrix units take 16-bit inputs)";
+  EXPECT_TRUE(takes_tensor_cores(torch::kHalf, 128, 9) && takes_tensor_cores(torch::kBFloat16, 64, 8));
+  EXPECT_FALSE(takes_tensor_cores(torch::kFloat, 64, 9) || takes_tensor_cores(torch::kHalf, 32, 9) ||
+               takes_tensor_cores(torch::kHalf, 64, 7));
+
+  // Lesson 04's ring on 3 ranks sharing the GPU, each block on the matrix units.
+  const double scale = 1.0 / std::sqrt(64.0);
+  const auto [out, lse] = testing::oracle_attention(in.q.to(torch::kDouble), in.k.to(torch::kDouble),
+                                                    in.v.to(torch::kDouble), true, torch::arange(c.seq_q),
+                                                    torch::arange(c.seq_k), scale);
+  run_local_world(3, [&](Comm& comm) {
+    auto mine = [&](const torch::Tensor& t) { return t.narrow(2, comm.rank() * 64, 64); };
+    const RingResult r = ring_attention_forward(comm, mine(q), mine(k), mine(v), ring_options(true));
+    const std::string what = "ring on the matrix units, rank " + std::to_string(comm.rank()) + " of 3";
+    CP_EXPECT_CLOSE(r.out.cpu(), mine(out), "out, " + what, kDims, matrix_unit_tolerance(in.v));
+    CP_EXPECT_CLOSE(r.lse.cpu(), mine(lse), "lse, " + what, {"b", "h", "s"});
+  });
 }
 
 }  // namespace

@@ -5,9 +5,11 @@
 #include "block_attention.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "common/error.h"
@@ -270,9 +272,17 @@ torch::Tensor mask_positions(const torch::Tensor& given, int64_t n, torch::Devic
   return given.contiguous();
 }
 
+namespace {
+std::atomic<CudaForwardOverride> cuda_forward_override{nullptr};
+}  // namespace
+
+void set_cuda_forward_override(CudaForwardOverride forward) { cuda_forward_override.store(forward); }
+
 AttnResult attention_block_forward(const torch::Tensor& q_in, const torch::Tensor& k_in, const torch::Tensor& v_in,
                                    const AttentionMask& mask, std::optional<double> scale) {
   const AttentionShapes s = check_attention_inputs(q_in, k_in, v_in);
+  if (const CudaForwardOverride forward = cuda_forward_override.load(); forward && q_in.is_cuda())
+    if (std::optional<AttnResult> result = forward(q_in, k_in, v_in, mask, scale)) return *std::move(result);
   const torch::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
   const torch::Tensor q_pos = mask_positions(mask.q_positions, s.seq_q, q.device(), "mask.q_positions");
   const torch::Tensor k_pos = mask_positions(mask.k_positions, s.seq_k, q.device(), "mask.k_positions");

@@ -90,6 +90,18 @@ torch::Tensor mask_positions(const torch::Tensor& given, int64_t n, torch::Devic
 AttnResult attention_block_forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                    const AttentionMask& mask = {}, std::optional<double> scale = std::nullopt);
 
+/// A forward that takes over attention_block_forward's CUDA path for the inputs it accepts, and
+/// returns nothing for the others (lesson 03's kernel then runs). Lesson 16 plugs its matrix-unit
+/// kernel in here (use_tensor_cores), so that every ring, layer and strategy built on
+/// attention_block_forward runs on it: lesson 03 cannot call lesson 16, which comes later.
+using CudaForwardOverride = std::optional<AttnResult> (*)(const torch::Tensor& q, const torch::Tensor& k,
+                                                          const torch::Tensor& v, const AttentionMask& mask,
+                                                          std::optional<double> scale);
+
+/// Sets the override (nullptr: none, the default) for every thread of the process; set it before
+/// the ranks start, not while they compute.
+void set_cuda_forward_override(CudaForwardOverride forward);
+
 /// Merges a block result into float32 accumulators, in place: afterwards (out_acc, lse_acc) is
 /// the attention over the union of both key sets. Either side may be empty (lse = −inf).
 /// @param out_acc  [B, H, S, D] float32     @param lse_acc  [B, H, S] float32

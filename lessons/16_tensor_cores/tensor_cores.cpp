@@ -46,4 +46,28 @@ AttnResult attention_forward_tensor_cores(const torch::Tensor& q_in, const torch
 #endif
 }
 
+bool takes_tensor_cores(torch::ScalarType dtype, int64_t head_dim, int compute_capability_major) {
+  return (dtype == torch::kHalf || dtype == torch::kBFloat16) && (head_dim == 64 || head_dim == 128) &&
+         compute_capability_major >= 8;
+}
+
+namespace {
+
+/// Lesson 03's override: the matrix units for the inputs they take, nothing for the others.
+std::optional<AttnResult> forward_on_tensor_cores(const torch::Tensor& q, const torch::Tensor& k,
+                                                  const torch::Tensor& v, const AttentionMask& mask,
+                                                  std::optional<double> scale) {
+#if CP_WITH_CUDA
+  if (!takes_tensor_cores(q.scalar_type(), q.size(3), compute_capability_major(q.device()))) return std::nullopt;
+  return attention_forward_tensor_cores(q, k, v, mask, scale);
+#else
+  (void)q, (void)k, (void)v, (void)mask, (void)scale;
+  return std::nullopt;  // no CUDA tensor reaches here without CUDA
+#endif
+}
+
+}  // namespace
+
+void use_tensor_cores(bool on) { set_cuda_forward_override(on ? &forward_on_tensor_cores : nullptr); }
+
 }  // namespace cp
