@@ -8,7 +8,6 @@
 #include <sstream>
 #include <thread>
 
-#include "common/cpu_features.h"
 #include "common/error.h"
 #include "common/tensor_checks.h"
 #include "online_softmax.h"
@@ -360,10 +359,7 @@ CP_TEST(Lesson01, Task3_LeadingDimsAndNonContiguousInput) {
 /// has: lengths around its steps of 4·W values, -inf, NaN and +inf in every lane position.
 CP_TEST(Lesson01, Task3_VectorisedPathAtEverySimdLevel) {
   online_softmax(torch::zeros({1, 2}, torch::kDouble));  // counts once task 3 is written (float64 runs it)
-  const SimdLevel before = simd_level();  // CP_CPU_SIMD's, restored for the tests that follow
-  for (int level = 0; level <= static_cast<int>(best_simd_level()); ++level) {
-    set_simd_level(static_cast<SimdLevel>(level));
-    const std::string at = " at SIMD " + describe(static_cast<SimdLevel>(level));
+  testing::for_each_simd_level([&](const std::string& at) {
     for (int64_t n : std::initializer_list<int64_t>{1, 3, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 1000, kLongRow}) {
       torch::Tensor x = random_with_outliers({6, n}, 500 + n, 4.0, 1e4);
       x[1].fill_(-INFINITY);
@@ -380,8 +376,7 @@ CP_TEST(Lesson01, Task3_VectorisedPathAtEverySimdLevel) {
       CP_ASSERT_RESULT(all_close_or_nan(row_logsumexp(x.to(torch::kFloat)), oracle_logsumexp(x),
                                         "row_logsumexp" + what, {"row"}, std::nullopt, x));
     }
-  }
-  set_simd_level(before);
+  });
 }
 
 CP_TEST(Lesson01, Task3_BadInputGivesClearErrors) {

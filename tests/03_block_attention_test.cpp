@@ -331,6 +331,21 @@ CP_TEST(Lesson03, Task2_NanAndInfInputsFollowTheDefinition) {
   check_non_finite_with(forward_on(torch::kCPU), 40, 16, "cpu");
 }
 
+CP_TEST(Lesson03, Task2_CpuForwardAtEverySimdLevel) {
+  // The loop is compiled for each vector width (4, 8, 16 floats): each copy must hold the same
+  // rules. Last query tiles of 1 and 6 rows (groups of four cut short), D = 32 to 128, a causal
+  // diagonal, rows with no visible key, and the NaN and inf cases on 43 rows.
+  testing::for_each_simd_level([](const std::string& at) {
+    uint64_t seed = 60;
+    for (const Case& c : std::vector<Case>{{2, 4, 2, 33, 65, 64, false}, {1, 6, 3, 129, 127, 128, false},
+                                           {2, 2, 2, 70, 70, 128, true}, {1, 8, 1, 100, 257, 32, true}})
+      check_forward(c, {c.causal, {}, {}}, torch::kCPU, torch::kFloat, seed++, "cpu" + at);
+    check_forward({1, 2, 2, 40, 40, 32, true}, {true, torch::arange(40), torch::arange(40) + 20}, torch::kCPU,
+                  torch::kFloat, seed++, "rows 0-19 see no key" + at);
+    check_non_finite_with(forward_on(torch::kCPU), 43, 16, "cpu" + at);
+  });
+}
+
 CP_TEST(Lesson03, Task2_EmptyShapes) {
   for (const Case& c : kEmptyCases) check_forward(c, {c.causal, {}, {}}, torch::kCPU, torch::kFloat, 5, "cpu, empty");
 }

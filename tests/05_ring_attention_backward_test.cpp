@@ -161,16 +161,32 @@ CP_TEST(Lesson05, Task1_WindowsAndDocumentsFromGlobalPositions) {
 
 CP_TEST(Lesson05, Task1_EmptyShapes) { check_empty_block_backward(torch::kCPU); }
 
+/// Lesson 03's forward, then the block backward, on the CPU.
+AttnGrads cpu_grads(const Inputs& in, bool causal, const torch::Tensor& q_pos, const torch::Tensor& k_pos) {
+  const AttentionMask mask{causal, q_pos, k_pos};
+  const AttnResult fwd = attention_block_forward(in.q, in.k, in.v, mask);
+  return attention_block_backward(in.dout, in.q, in.k, in.v, fwd.out, fwd.lse, mask);
+}
+
 CP_TEST(Lesson05, Task1_NanInputsGiveNanExactlyWhereTheDefinitionDoes) {
-  // Lesson 03's forward, then the block backward: a NaN reaches the gradients of every pair that
-  // sees it and nothing else (a hidden pair contributes nothing, not 0 · NaN).
-  check_nan_backward(
-      [](const Inputs& in, bool causal, const torch::Tensor& q_pos, const torch::Tensor& k_pos) {
-        const AttentionMask mask{causal, q_pos, k_pos};
-        const AttnResult fwd = attention_block_forward(in.q, in.k, in.v, mask);
-        return attention_block_backward(in.dout, in.q, in.k, in.v, fwd.out, fwd.lse, mask);
-      },
-      40, 16, "cpu");
+  // A NaN reaches the gradients of every pair that sees it and nothing else (a hidden pair
+  // contributes nothing, not 0 · NaN).
+  check_nan_backward(cpu_grads, 40, 16, "cpu");
+}
+
+CP_TEST(Lesson05, Task1_CpuBackwardAtEverySimdLevel) {
+  // The tile loops are compiled for each vector width (4, 8, 16 floats): each copy must hold the
+  // same rules. Query tiles cut short in a group of four (33 and 70 rows), rows with no visible
+  // key, and a NaN in each input on 43 rows.
+  testing::for_each_simd_level([](const std::string& at) {
+    check_block_backward(random_inputs(2, 4, 2, 33, 65, 32, 51), causal_mask(false), torch::kCPU, torch::kFloat,
+                         "cpu" + at);
+    check_block_backward(random_inputs(1, 4, 1, 70, 70, 128, 52), causal_mask(true), torch::kCPU, torch::kFloat,
+                         "cpu" + at);
+    check_block_backward(random_inputs(1, 2, 1, 40, 40, 64, 53), {true, torch::arange(40), torch::arange(40) + 20},
+                         torch::kCPU, torch::kFloat, "rows 0-19 see no key" + at);
+    check_nan_backward(cpu_grads, 43, 16, "cpu" + at);
+  });
 }
 
 CP_TEST(Lesson05, Task1_BadInputGivesClearErrors) {

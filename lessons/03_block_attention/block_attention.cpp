@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -35,6 +36,7 @@ namespace {
 // stay in SIMD registers (8 of 4 floats, 4 of 8 with AVX2, 2 of 16 with AVX-512) while the loop
 // over the head dim runs (README, "The CPU path").
 
+using kernels::bits;
 using kernels::exp_nonpos;
 using kernels::fvec;
 using kernels::kBc;
@@ -43,8 +45,10 @@ using kernels::kDimAlign;
 using kernels::load;
 using kernels::max_keep_nan;
 using kernels::max_lane;
+using kernels::max_lane_of_ordinary;
 using kernels::splat;
 using kernels::store;
+using kernels::UintVec;
 using kernels::sum_lanes;
 
 /// One (batch, kv head)'s keys and values, float32, in tiles of kBc keys (the last one padded
@@ -73,19 +77,26 @@ struct RowState {
   std::vector<float> o;
 };
 
+/// Query rows meet a key tile kRowGroup at a time (README, "The CPU path"): each K and V vector
+/// loaded serves the group's four rows, and the rows' scalar steps (m, α, l) are one vector.
+constexpr int64_t kRowGroup = 4;
+
 /// Task 2: `rows` query rows (q: [rows][dp] float32; row i sees the key positions first[i] ..
 /// last[i]) against one key tile of n keys (kt: [dp][kBc], the tile transposed; v: [kBc][dp];
 /// positions k_pos). masked: some pair may be hidden (a key of the tile outside some row's range),
-/// else every pair of the first n keys is visible. Updates m, l and O of every row in `state`.
+/// else every pair of the first n keys is visible. Updates m, l and O of every row in `state`
+/// (its arrays hold kBr rows: a group may reach past `rows`).
 /// W: floats per SIMD register; the loop is compiled for each width the CPU may have (AttendTile).
 template <int W>
 CP_SIMD_INLINE void attend_tile(const float* q, int64_t rows, const float* kt, const float* v, int64_t n,
                                 const int64_t* first, const int64_t* last, const int64_t* k_pos, bool masked,
                                 float scale, int64_t dp, RowState& state) {
-  using V = fvec<W>;                           // W floats: 4, 8 or 16 (kernels/cpu_simd.h)
-  constexpr int64_t kKeyVecs = kBc / W;        // a row's kBc scores: 8, 4 or 2 vectors
-  constexpr int64_t kDimVecs = kDimAlign / W;  // 32 dims of O: 8, 4 or 2 vectors
-  constexpr int kChains = W / 4;               // independent sums, for 8 accumulators at every width
+  using V = fvec<W>;                     // W floats: 4, 8 or 16 (kernels/cpu_simd.h)
+  using G = fvec<kRowGroup>;             // one float per row of a group
+  using U = typename UintVec<W>::type;   // W lanes of bits
+  constexpr int64_t kKeyVecs = kBc / W;  // a row's kBc scores: 8, 4 or 2 vectors
+  constexpr int64_t kTileVecs = 2;       // a register tile: kRowGroup rows × 2 vectors (8 sums)
+  static_assert(kBr % kRowGroup == 0 && kDimAlign % (kTileVecs * W) == 0, "groups and register tiles must fit");
   // BEGIN YOUR CODE task 2: one query tile against one key tile
   // TODO(lesson 03, task 2): the scores of each row against the tile's keys, then its (m, l, O) update.
   // README, "Task 2 — the CPU forward (`block_attention.cpp`)" and "The CPU path".
@@ -140,12 +151,11 @@ AttnResult forward_cpu(const torch::Tensor& q, const torch::Tensor& k, const tor
         for (int64_t i0 = 0; i0 < s.seq_q; i0 += kBr) {
           const int64_t rows = std::min(kBr, s.seq_q - i0);
           const scalar_t* q_rows = pq + (bh * s.seq_q + i0) * s.head_dim;
-          for (int64_t i = 0; i < rows; ++i) {
+          for (int64_t i = 0; i < rows; ++i)
             for (int64_t d = 0; d < s.head_dim; ++d)
               q_tile[i * kv.dp + d] = static_cast<float>(q_rows[i * s.head_dim + d]);
-            state.m[i] = -INFINITY;
-            state.l[i] = 0.0f;
-          }
+          std::fill(state.m, state.m + kBr, -INFINITY);  // every row of the tile, used or not
+          std::fill(state.l, state.l + kBr, 0.0f);
           std::fill(state.o.begin(), state.o.end(), 0.0f);
           const kernels::RowRanges ranges = kernels::row_ranges(first, last, i0, rows);
           for (int64_t t = 0; t < kv.tiles; ++t) {

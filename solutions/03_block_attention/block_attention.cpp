@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -33,6 +34,7 @@ namespace {
 // stay in SIMD registers (8 of 4 floats, 4 of 8 with AVX2, 2 of 16 with AVX-512) while the loop
 // over the head dim runs (README, "The CPU path").
 
+using kernels::bits;
 using kernels::exp_nonpos;
 using kernels::fvec;
 using kernels::kBc;
@@ -41,8 +43,10 @@ using kernels::kDimAlign;
 using kernels::load;
 using kernels::max_keep_nan;
 using kernels::max_lane;
+using kernels::max_lane_of_ordinary;
 using kernels::splat;
 using kernels::store;
+using kernels::UintVec;
 using kernels::sum_lanes;
 
 /// One (batch, kv head)'s keys and values, float32, in tiles of kBc keys (the last one padded
@@ -71,98 +75,141 @@ struct RowState {
   std::vector<float> o;
 };
 
+/// Query rows meet a key tile kRowGroup at a time (README, "The CPU path"): each K and V vector
+/// loaded serves the group's four rows, and the rows' scalar steps (m, α, l) are one vector.
+constexpr int64_t kRowGroup = 4;
+
 /// Task 2: `rows` query rows (q: [rows][dp] float32; row i sees the key positions first[i] ..
 /// last[i]) against one key tile of n keys (kt: [dp][kBc], the tile transposed; v: [kBc][dp];
 /// positions k_pos). masked: some pair may be hidden (a key of the tile outside some row's range),
-/// else every pair of the first n keys is visible. Updates m, l and O of every row in `state`.
+/// else every pair of the first n keys is visible. Updates m, l and O of every row in `state`
+/// (its arrays hold kBr rows: a group may reach past `rows`).
 /// W: floats per SIMD register; the loop is compiled for each width the CPU may have (AttendTile).
 template <int W>
 CP_SIMD_INLINE void attend_tile(const float* q, int64_t rows, const float* kt, const float* v, int64_t n,
                                 const int64_t* first, const int64_t* last, const int64_t* k_pos, bool masked,
                                 float scale, int64_t dp, RowState& state) {
-  using V = fvec<W>;                           // W floats: 4, 8 or 16 (kernels/cpu_simd.h)
-  constexpr int64_t kKeyVecs = kBc / W;        // a row's kBc scores: 8, 4 or 2 vectors
-  constexpr int64_t kDimVecs = kDimAlign / W;  // 32 dims of O: 8, 4 or 2 vectors
-  constexpr int kChains = W / 4;               // independent sums, for 8 accumulators at every width
+  using V = fvec<W>;                     // W floats: 4, 8 or 16 (kernels/cpu_simd.h)
+  using G = fvec<kRowGroup>;             // one float per row of a group
+  using U = typename UintVec<W>::type;   // W lanes of bits
+  constexpr int64_t kKeyVecs = kBc / W;  // a row's kBc scores: 8, 4 or 2 vectors
+  constexpr int64_t kTileVecs = 2;       // a register tile: kRowGroup rows × 2 vectors (8 sums)
+  static_assert(kBr % kRowGroup == 0 && kDimAlign % (kTileVecs * W) == 0, "groups and register tiles must fit");
   // BEGIN SOLUTION task 2: one query tile against one key tile
   // STUB: // TODO(lesson 03, task 2): the scores of each row against the tile's keys, then its (m, l, O) update.
   // STUB: // README, "Task 2 — the CPU forward (`block_attention.cpp`)" and "The CPU path".
   // STUB: (void)q, (void)rows, (void)kt, (void)v, (void)n, (void)first, (void)last, (void)k_pos, (void)masked,
   // STUB: (void)scale, (void)dp, (void)state;
   // STUB: throw NotImplemented("lesson 03, task 2: attend_tile (the CPU tile loop)");
-  for (int64_t i = 0; i < rows; ++i) {
-    // 1. The row's kBc scores: kChains · kKeyVecs = 8 accumulators that stay in registers over
-    //    the head dim, dim d going to sum d % kChains, so that no add waits for the one before.
-    const float* q_i = q + i * dp;
-    V acc[kChains][kKeyVecs] = {};
-    for (int64_t d = 0; d < dp; d += kChains) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kRowGroup) {
+    const float* q_g = q + r0 * dp;
+    const int64_t live = std::min(kRowGroup, rows - r0);  // rows of the group that exist
+    // 1. The group's scores, kTileVecs · W keys at a time: each K vector, loaded once, meets the
+    //    four rows; the 8 sums stay in registers over the head dim.
+    alignas(64) float s[kRowGroup][kBc];
+    for (int64_t c0 = 0; c0 < kKeyVecs; c0 += kTileVecs) {
+      V acc[kRowGroup][kTileVecs] = {};
+      for (int64_t d = 0; d < dp; ++d) {
+        V k_d[kTileVecs];
+#pragma GCC unroll 2
+        for (int64_t c = 0; c < kTileVecs; ++c) k_d[c] = load<V>(kt + d * kBc + (c0 + c) * W);
 #pragma GCC unroll 4
-      for (int ch = 0; ch < kChains; ++ch) {
-        const float q_id = q_i[d + ch];
-#pragma GCC unroll 8
-        for (int64_t c = 0; c < kKeyVecs; ++c) acc[ch][c] += q_id * load<V>(kt + (d + ch) * kBc + c * W);
+        for (int64_t r = 0; r < kRowGroup; ++r)
+#pragma GCC unroll 2
+          for (int64_t c = 0; c < kTileVecs; ++c) acc[r][c] += q_g[r * dp + d] * k_d[c];  // the bare scalar: splat in cpu_simd.h
       }
-    }
 #pragma GCC unroll 4
-    for (int ch = 1; ch < kChains; ++ch)
-#pragma GCC unroll 8
-      for (int64_t c = 0; c < kKeyVecs; ++c) acc[0][c] += acc[ch][c];
-    // 2. Scale, mask (-inf: hidden, or past the last key), and the tile maximum (NaN wins).
-    alignas(64) float s[kBc];
-    V tile_max = splat<V>(-INFINITY);
-#pragma GCC unroll 8
-    for (int64_t c = 0; c < kKeyVecs; ++c) {
-      const V s_c = acc[0][c] * scale;
-      store(s + c * W, s_c);
-      tile_max = max_keep_nan(s_c, tile_max);
+      for (int64_t r = 0; r < kRowGroup; ++r)
+#pragma GCC unroll 2
+        for (int64_t c = 0; c < kTileVecs; ++c) store(s[r] + (c0 + c) * W, acc[r][c] * splat<V>(scale));
     }
-    if (masked || n < kBc) {
-      tile_max = splat<V>(-INFINITY);
-      for (int64_t jj = 0; jj < kBc; ++jj)
-        if (jj >= n || (masked && (k_pos[jj] < first[i] || k_pos[jj] > last[i]))) s[jj] = -INFINITY;
-      for (int64_t c = 0; c < kKeyVecs; ++c) tile_max = max_keep_nan(load<V>(s + c * W), tile_max);
-    }
-    const float m_tile = max_lane(tile_max);
-    if (m_tile == -INFINITY) continue;  // no visible key in this tile for this row
-    // 3. The online update: one rescale of l and O, then p = e^(s - m_new) in vectors.
-    float& m = state.m[i];
-    const float m_new = (m_tile > m || m_tile != m_tile) ? m_tile : m;  // NaN in m or the tile wins
-    const float alpha = m_new == m ? 1.0f : std::exp(m - m_new);  // 0 on the row's first visible tile
-    m = m_new;
-    alignas(64) float p[kBc];
-    V p_sum = {};
-#pragma GCC unroll 8
-    for (int64_t c = 0; c < kKeyVecs; ++c) {
-      const V p_c = exp_nonpos(load<V>(s + c * W) - m_new);
-      store(p + c * W, p_c);
-      p_sum += p_c;
-    }
-    state.l[i] = state.l[i] * alpha + sum_lanes(p_sum);
-    // 4. O = alpha O + P V, 32 dims at a time in kChains · kDimVecs = 8 accumulators, key jj
-    //    going to sum jj % kChains. A key with s = -inf (hidden) is skipped, not multiplied by
-    //    p = 0: its v may be NaN. A visible key counts at p = 0.
-    float* o_i = state.o.data() + i * dp;
-    for (int64_t d0 = 0; d0 < dp; d0 += kDimAlign) {
-      V o[kChains][kDimVecs] = {};
-#pragma GCC unroll 8
-      for (int64_t c = 0; c < kDimVecs; ++c) o[0][c] = load<V>(o_i + d0 + c * W) * alpha;
-      for (int64_t j0 = 0; j0 < kBc; j0 += kChains) {
+    // 2. -inf for a key past the last, a key outside the row's range (masked), and every key of
+    //    a row past the tile's last (it must stay inert). Then each row's tile maximum (NaN wins),
+    //    and whether any score is -inf: those keys are left out of O += P V below.
+    const bool test_keys = masked || n < kBc || live < kRowGroup;
+    if (test_keys)
+      for (int64_t r = 0; r < kRowGroup; ++r)
+        for (int64_t jj = 0; jj < kBc; ++jj)
+          if (r >= live || jj >= n || (masked && (k_pos[jj] < first[r0 + r] || k_pos[jj] > last[r0 + r])))
+            s[r][jj] = -INFINITY;
+    alignas(16) float tile_max[kRowGroup];
+    U ordinary = ~U{};  // lanes whose scores were all > -inf, none NaN: the common case
 #pragma GCC unroll 4
-        for (int ch = 0; ch < kChains; ++ch) {
-          if (s[j0 + ch] == -INFINITY) continue;
-          const float p_j = p[j0 + ch];
-          const float* v_j = v + (j0 + ch) * dp + d0;
+    for (int64_t r = 0; r < kRowGroup; ++r) {
+      V row_max = load<V>(s[r]);
 #pragma GCC unroll 8
-          for (int64_t c = 0; c < kDimVecs; ++c) o[ch][c] += p_j * load<V>(v_j + c * W);
+      for (int64_t c = 0; c < kKeyVecs; ++c) {
+        const V s_c = load<V>(s[r] + c * W);
+        row_max = s_c > row_max ? s_c : row_max;  // one max; NaN is dealt with below
+        ordinary &= bits<U>(s_c > -INFINITY);     // false for -inf and for NaN
+      }
+      tile_max[r] = max_lane_of_ordinary(row_max);
+    }
+    bool any_minus_inf_or_nan = false;
+    for (int k = 0; k < W; ++k) any_minus_inf_or_nan |= ordinary[k] == 0;
+    if (any_minus_inf_or_nan)  // the maxima again, a NaN winning (NaN and inf are never hidden)
+      for (int64_t r = 0; r < kRowGroup; ++r) {
+        V row_max = splat<V>(-INFINITY);
+        for (int64_t c = 0; c < kKeyVecs; ++c) row_max = max_keep_nan(load<V>(s[r] + c * W), row_max);
+        tile_max[r] = max_lane(row_max);
+      }
+    // 3. The online update of the four rows as vectors of one float per row: m_new, one exp for
+    //    the four alpha (1 where m is unchanged, -inf included; 0 on a row's first visible tile),
+    //    then p = e^(s - m_new) in vectors, and l = alpha l + sum p. A row with no visible key
+    //    yet subtracts 0, not -inf (e^(-inf - -inf) would be NaN): its p are e^-inf = 0.
+    const G m_old = load<G>(state.m + r0);
+    const G m_new = max_keep_nan(load<G>(tile_max), m_old);
+    const G alpha = exp_nonpos(m_new == m_old ? G{} : m_old - m_new);
+    alignas(16) float alpha_r[kRowGroup], m_sub[kRowGroup], p_sum[kRowGroup];
+    store(alpha_r, alpha);
+    store(m_sub, m_new == -INFINITY ? G{} : m_new);
+    store(state.m + r0, m_new);
+    alignas(64) float p[kRowGroup][kBc];
+#pragma GCC unroll 4
+    for (int64_t r = 0; r < kRowGroup; ++r) {
+      V sum = {};
+#pragma GCC unroll 8
+      for (int64_t c = 0; c < kKeyVecs; ++c) {
+        const V p_c = exp_nonpos(load<V>(s[r] + c * W) - splat<V>(m_sub[r]));
+        store(p[r] + c * W, p_c);
+        sum += p_c;
+      }
+      p_sum[r] = sum_lanes(sum);
+    }
+    store(state.l + r0, load<G>(state.l + r0) * alpha + load<G>(p_sum));
+    // 4. O = alpha O + P V, kTileVecs · W dims at a time: each V vector, loaded once, meets the
+    //    four rows. A key with s = -inf (hidden) is left out, not multiplied by p = 0: its v may
+    //    be NaN. A visible key counts at p = 0. The test costs a branch per row and key, so
+    //    it is compiled only into the copy that tiles with a -inf score run.
+    float* o_g = state.o.data() + r0 * dp;
+    auto accumulate = [&](auto leave_out_minus_inf) CP_SIMD_LAMBDA {
+      for (int64_t d0 = 0; d0 < dp; d0 += kTileVecs * W) {
+        V acc[kRowGroup][kTileVecs];
+#pragma GCC unroll 4
+        for (int64_t r = 0; r < kRowGroup; ++r)
+#pragma GCC unroll 2
+          for (int64_t c = 0; c < kTileVecs; ++c) acc[r][c] = load<V>(o_g + r * dp + d0 + c * W) * splat<V>(alpha_r[r]);
+        for (int64_t jj = 0; jj < kBc; ++jj) {
+          V v_j[kTileVecs];
+#pragma GCC unroll 2
+          for (int64_t c = 0; c < kTileVecs; ++c) v_j[c] = load<V>(v + jj * dp + d0 + c * W);
+#pragma GCC unroll 4
+          for (int64_t r = 0; r < kRowGroup; ++r) {
+            if (decltype(leave_out_minus_inf)::value && s[r][jj] == -INFINITY) continue;
+#pragma GCC unroll 2
+            for (int64_t c = 0; c < kTileVecs; ++c) acc[r][c] += p[r][jj] * v_j[c];
+          }
         }
-      }
 #pragma GCC unroll 4
-      for (int ch = 1; ch < kChains; ++ch)
-#pragma GCC unroll 8
-        for (int64_t c = 0; c < kDimVecs; ++c) o[0][c] += o[ch][c];
-#pragma GCC unroll 8
-      for (int64_t c = 0; c < kDimVecs; ++c) store(o_i + d0 + c * W, o[0][c]);
-    }
+        for (int64_t r = 0; r < kRowGroup; ++r)
+#pragma GCC unroll 2
+          for (int64_t c = 0; c < kTileVecs; ++c) store(o_g + r * dp + d0 + c * W, acc[r][c]);
+      }
+    };
+    if (any_minus_inf_or_nan)
+      accumulate(std::true_type{});
+    else
+      accumulate(std::false_type{});
   }
   // END SOLUTION
 }
@@ -219,12 +266,11 @@ AttnResult forward_cpu(const torch::Tensor& q, const torch::Tensor& k, const tor
         for (int64_t i0 = 0; i0 < s.seq_q; i0 += kBr) {
           const int64_t rows = std::min(kBr, s.seq_q - i0);
           const scalar_t* q_rows = pq + (bh * s.seq_q + i0) * s.head_dim;
-          for (int64_t i = 0; i < rows; ++i) {
+          for (int64_t i = 0; i < rows; ++i)
             for (int64_t d = 0; d < s.head_dim; ++d)
               q_tile[i * kv.dp + d] = static_cast<float>(q_rows[i * s.head_dim + d]);
-            state.m[i] = -INFINITY;
-            state.l[i] = 0.0f;
-          }
+          std::fill(state.m, state.m + kBr, -INFINITY);  // every row of the tile, used or not
+          std::fill(state.l, state.l + kBr, 0.0f);
           std::fill(state.o.begin(), state.o.end(), 0.0f);
           const kernels::RowRanges ranges = kernels::row_ranges(first, last, i0, rows);
           for (int64_t t = 0; t < kv.tiles; ++t) {

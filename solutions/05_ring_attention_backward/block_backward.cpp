@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "common/error.h"
@@ -47,50 +48,57 @@ using kernels::kDimAlign;
 using kernels::load;
 using kernels::pack_rows;
 using kernels::pack_transposed;
+using kernels::splat;
 using kernels::store;
 
-/// out[i][jj] = a_i · b_jj for `rows` rows of a ([rows][dp]) and the kBc rows of a tile b packed
-/// transposed (bt: [dp][kBc]): the scores S = Q Kᵀ and dP = dO Vᵀ of a tile pair, with
-/// lesson 03's loop (a row's kBc sums in 8 vector registers over the head dim: kChains sums of
-/// kBc / W vectors).
+/// Rows meet the tile kRowGroup at a time, as in lesson 03's forward: each vector loaded from a
+/// tile serves four multiply-adds (README, "The block backward on the CPU").
+constexpr int64_t kRowGroup = 4;
+constexpr int64_t kTileVecs = 2;  ///< a register tile: kRowGroup rows (or keys) × 2 vectors, 8 sums
+
+/// out[i][jj] = a_i · b_jj for `rows` rows of a ([rows][dp], zero rows after them up to a
+/// multiple of kRowGroup) and the kBc rows of a tile b packed transposed (bt: [dp][kBc]): the
+/// scores S = Q Kᵀ and dP = dO Vᵀ of a tile pair, with lesson 03's register tile (four rows ×
+/// 2W keys in 8 accumulators over the head dim). out has room for kBr rows.
 template <int W>
 CP_SIMD_INLINE void tile_products(const float* a, int64_t rows, const float* bt, int64_t dp, float* out) {
   using V = fvec<W>;
   constexpr int64_t kKeyVecs = kBc / W;
-  constexpr int kChains = W / 4;
-  for (int64_t i = 0; i < rows; ++i) {
-    const float* a_i = a + i * dp;
-    V acc[kChains][kKeyVecs] = {};
-    for (int64_t d = 0; d < dp; d += kChains) {
+  static_assert(kBr % kRowGroup == 0 && kKeyVecs % kTileVecs == 0, "groups and register tiles must fit");
+  for (int64_t r0 = 0; r0 < rows; r0 += kRowGroup) {
+    const float* a_g = a + r0 * dp;
+    for (int64_t c0 = 0; c0 < kKeyVecs; c0 += kTileVecs) {
+      V acc[kRowGroup][kTileVecs] = {};
+      for (int64_t d = 0; d < dp; ++d) {
+        V b_d[kTileVecs];
+#pragma GCC unroll 2
+        for (int64_t c = 0; c < kTileVecs; ++c) b_d[c] = load<V>(bt + d * kBc + (c0 + c) * W);
 #pragma GCC unroll 4
-      for (int ch = 0; ch < kChains; ++ch) {
-        const float a_id = a_i[d + ch];
-#pragma GCC unroll 8
-        for (int64_t c = 0; c < kKeyVecs; ++c) acc[ch][c] += a_id * load<V>(bt + (d + ch) * kBc + c * W);
+        for (int64_t r = 0; r < kRowGroup; ++r)
+#pragma GCC unroll 2
+          for (int64_t c = 0; c < kTileVecs; ++c) acc[r][c] += a_g[r * dp + d] * b_d[c];
       }
-    }
 #pragma GCC unroll 4
-    for (int ch = 1; ch < kChains; ++ch)
-#pragma GCC unroll 8
-      for (int64_t c = 0; c < kKeyVecs; ++c) acc[0][c] += acc[ch][c];
-#pragma GCC unroll 8
-    for (int64_t c = 0; c < kKeyVecs; ++c) store(out + i * kBc + c * W, acc[0][c]);
+      for (int64_t r = 0; r < kRowGroup; ++r)
+#pragma GCC unroll 2
+        for (int64_t c = 0; c < kTileVecs; ++c) store(out + (r0 + r) * kBc + (c0 + c) * W, acc[r][c]);
+    }
   }
 }
 
 /// Task 1: the gradients of one tile pair: `rows` query rows (q, dout, dq: [rows][dp]; lse,
 /// delta: [rows]) against the kBc keys of a key tile (k, dk, dv: [kBc][dp]). s and dpt
-/// ([rows][kBc]) hold q_i · k_j and dout_i · v_j. hidden ([rows][kBc], 1 = hidden) is null when
+/// ([kBr][kBc]) hold q_i · k_j and dout_i · v_j. hidden ([rows][kBc], 1 = hidden) is null when
 /// every pair is visible; else it marks the pairs to skip: the mask, rows with lse = -inf,
-/// keys past the last. Adds into dq, dk, dv. W: floats per SIMD register (TilePair).
+/// keys past the last. Adds into dq, dk, dv (dq has room for the rows of the last group of
+/// four, which get nothing). W: floats per SIMD register (TilePair).
 template <int W>
 CP_SIMD_INLINE void backward_tile(const float* s, const float* dpt, const uint8_t* hidden, const float* q,
                                   const float* dout, const float* k, const float* lse, const float* delta,
                                   int64_t rows, float scale, int64_t dp, float* dq, float* dk, float* dv) {
-  using V = fvec<W>;                           // W floats: 4, 8 or 16 (kernels/cpu_simd.h)
-  constexpr int64_t kKeyVecs = kBc / W;        // a row's kBc values: 8, 4 or 2 vectors
-  constexpr int64_t kDimVecs = kDimAlign / W;  // 32 dims: 8, 4 or 2 vectors
-  constexpr int kChains = W / 4;               // independent sums, for 8 accumulators at every width
+  using V = fvec<W>;                     // W floats: 4, 8 or 16 (kernels/cpu_simd.h)
+  constexpr int64_t kKeyVecs = kBc / W;  // a row's kBc values: 8, 4 or 2 vectors
+  static_assert(kDimAlign % (kTileVecs * W) == 0, "register tiles must fit the padded head dim");
   // BEGIN SOLUTION task 1: the gradients of one tile pair
   // STUB: // TODO(lesson 05, task 1): P and dS of the tile, then dv += Pᵀ·dout, dk += dSᵀ·q, dq += dS·k.
   // STUB: // README, "Task 1 — the block backward on the CPU (`block_backward.cpp`)".
@@ -98,89 +106,84 @@ CP_SIMD_INLINE void backward_tile(const float* s, const float* dpt, const uint8_
   // STUB: (void)scale, (void)dp, (void)dq, (void)dk, (void)dv;
   // STUB: throw NotImplemented("lesson 05, task 1: backward_tile");
   // 1. P = e^(scale·S − lse) from the saved lse, and dS = P ∘ (dP − D), times the scale that dQ
-  //    and dK carry. Hidden pairs get numbers too (even NaN): the sums below skip them.
+  //    and dK carry. Hidden pairs get numbers too (even NaN): the sums below skip them. The rows
+  //    after the last, up to the group of four, get dS = 0: step 4 adds them into dq rows that
+  //    are never read.
   alignas(64) float p[kBr * kBc], ds[kBr * kBc];
-  for (int64_t i = 0; i < rows; ++i) {
+  const int64_t group_rows = (rows + kRowGroup - 1) / kRowGroup * kRowGroup;
+  for (int64_t i = 0; i < group_rows; ++i) {
 #pragma GCC unroll 8
     for (int64_t c = 0; c < kKeyVecs; ++c) {
       const int64_t at = i * kBc + c * W;
-      const V p_c = exp_nonpos(load<V>(s + at) * scale - lse[i]);
+      const V p_c = i < rows ? exp_nonpos(load<V>(s + at) * splat<V>(scale) - splat<V>(lse[i])) : V{};
       store(p + at, p_c);
-      store(ds + at, p_c * (load<V>(dpt + at) - delta[i]) * scale);
+      store(ds + at, i < rows ? p_c * (load<V>(dpt + at) - splat<V>(delta[i])) * splat<V>(scale) : V{});
     }
   }
-  // 2. dV += Pᵀ dO and dK += dSᵀ Q: one key row, 32 dims at a time in kChains · kDimVecs = 8
-  //    accumulators (row i going to sum i % kChains), summed over the query rows. A hidden pair is
-  //    skipped, not multiplied by 0: its dout or q may be NaN.
-  for (int64_t jj = 0; jj < kBc; ++jj) {
-    for (int64_t d0 = 0; d0 < dp; d0 += kDimAlign) {
-      V acc_v[kChains][kDimVecs] = {}, acc_k[kChains][kDimVecs] = {};
-#pragma GCC unroll 8
-      for (int64_t c = 0; c < kDimVecs; ++c) acc_v[0][c] = load<V>(dv + jj * dp + d0 + c * W);
-      for (int64_t i0 = 0; i0 < rows; i0 += kChains) {
+  // The three sums, each a register tile of 4 × 2W, once without a test of `hidden` (nearly
+  // every tile) and once with it. A hidden pair is skipped, not multiplied by 0: its dout, q or
+  // k may be NaN.
+  auto sums = [&](auto with_hidden) CP_SIMD_LAMBDA {
+    constexpr bool kTest = decltype(with_hidden)::value;
+    auto skip = [&](int64_t i, int64_t jj) CP_SIMD_LAMBDA { return kTest && (i >= rows || hidden[i * kBc + jj]); };
+    for (int64_t d0 = 0; d0 < dp; d0 += kTileVecs * W) {
+      // 2. dV += Pᵀ dO and dK += dSᵀ Q, one after the other (each 8 sums fill the registers):
+      //    four key rows × 2W dims, summed over the query rows.
+      auto sum_over_rows = [&](float* grad, const float* weight, const float* x) CP_SIMD_LAMBDA {
+        for (int64_t j0 = 0; j0 < kBc; j0 += kRowGroup) {
+          V acc[kRowGroup][kTileVecs];
 #pragma GCC unroll 4
-        for (int ch = 0; ch < kChains; ++ch) {
-          const int64_t i = i0 + ch;
-          if (i >= rows || (hidden && hidden[i * kBc + jj])) continue;
-          const float p_ij = p[i * kBc + jj];
-          const float* do_i = dout + i * dp + d0;
-#pragma GCC unroll 8
-          for (int64_t c = 0; c < kDimVecs; ++c) acc_v[ch][c] += p_ij * load<V>(do_i + c * W);
+          for (int64_t r = 0; r < kRowGroup; ++r)
+#pragma GCC unroll 2
+            for (int64_t c = 0; c < kTileVecs; ++c) acc[r][c] = load<V>(grad + (j0 + r) * dp + d0 + c * W);
+          for (int64_t i = 0; i < rows; ++i) {
+            V x_i[kTileVecs];
+#pragma GCC unroll 2
+            for (int64_t c = 0; c < kTileVecs; ++c) x_i[c] = load<V>(x + i * dp + d0 + c * W);
+#pragma GCC unroll 4
+            for (int64_t r = 0; r < kRowGroup; ++r) {
+              if (skip(i, j0 + r)) continue;
+#pragma GCC unroll 2
+              for (int64_t c = 0; c < kTileVecs; ++c) acc[r][c] += weight[i * kBc + j0 + r] * x_i[c];
+            }
+          }
+#pragma GCC unroll 4
+          for (int64_t r = 0; r < kRowGroup; ++r)
+#pragma GCC unroll 2
+            for (int64_t c = 0; c < kTileVecs; ++c) store(grad + (j0 + r) * dp + d0 + c * W, acc[r][c]);
         }
-      }
+      };
+      sum_over_rows(dv, p, dout);
+      sum_over_rows(dk, ds, q);
+      // 3. dQ += dS K: four query rows × 2W dims, summed over the tile's keys.
+      for (int64_t r0 = 0; r0 < group_rows; r0 += kRowGroup) {
+        V acc[kRowGroup][kTileVecs];
 #pragma GCC unroll 4
-      for (int ch = 1; ch < kChains; ++ch)
-#pragma GCC unroll 8
-        for (int64_t c = 0; c < kDimVecs; ++c) acc_v[0][c] += acc_v[ch][c];
-#pragma GCC unroll 8
-      for (int64_t c = 0; c < kDimVecs; ++c) store(dv + jj * dp + d0 + c * W, acc_v[0][c]);
-#pragma GCC unroll 8
-      for (int64_t c = 0; c < kDimVecs; ++c) acc_k[0][c] = load<V>(dk + jj * dp + d0 + c * W);
-      for (int64_t i0 = 0; i0 < rows; i0 += kChains) {
+        for (int64_t r = 0; r < kRowGroup; ++r)
+#pragma GCC unroll 2
+          for (int64_t c = 0; c < kTileVecs; ++c) acc[r][c] = load<V>(dq + (r0 + r) * dp + d0 + c * W);
+        for (int64_t jj = 0; jj < kBc; ++jj) {
+          V k_j[kTileVecs];
+#pragma GCC unroll 2
+          for (int64_t c = 0; c < kTileVecs; ++c) k_j[c] = load<V>(k + jj * dp + d0 + c * W);
 #pragma GCC unroll 4
-        for (int ch = 0; ch < kChains; ++ch) {
-          const int64_t i = i0 + ch;
-          if (i >= rows || (hidden && hidden[i * kBc + jj])) continue;
-          const float ds_ij = ds[i * kBc + jj];
-          const float* q_i = q + i * dp + d0;
-#pragma GCC unroll 8
-          for (int64_t c = 0; c < kDimVecs; ++c) acc_k[ch][c] += ds_ij * load<V>(q_i + c * W);
+          for (int64_t r = 0; r < kRowGroup; ++r) {
+            if (skip(r0 + r, jj)) continue;
+#pragma GCC unroll 2
+            for (int64_t c = 0; c < kTileVecs; ++c) acc[r][c] += ds[(r0 + r) * kBc + jj] * k_j[c];
+          }
         }
-      }
 #pragma GCC unroll 4
-      for (int ch = 1; ch < kChains; ++ch)
-#pragma GCC unroll 8
-        for (int64_t c = 0; c < kDimVecs; ++c) acc_k[0][c] += acc_k[ch][c];
-#pragma GCC unroll 8
-      for (int64_t c = 0; c < kDimVecs; ++c) store(dk + jj * dp + d0 + c * W, acc_k[0][c]);
+        for (int64_t r = 0; r < kRowGroup; ++r)
+#pragma GCC unroll 2
+          for (int64_t c = 0; c < kTileVecs; ++c) store(dq + (r0 + r) * dp + d0 + c * W, acc[r][c]);
+      }
     }
-  }
-  // 3. dQ += dS K: one query row, 32 dims at a time, summed over the tile's keys (key jj going
-  //    to sum jj % kChains).
-  for (int64_t i = 0; i < rows; ++i) {
-    for (int64_t d0 = 0; d0 < dp; d0 += kDimAlign) {
-      V acc[kChains][kDimVecs] = {};
-#pragma GCC unroll 8
-      for (int64_t c = 0; c < kDimVecs; ++c) acc[0][c] = load<V>(dq + i * dp + d0 + c * W);
-      for (int64_t j0 = 0; j0 < kBc; j0 += kChains) {
-#pragma GCC unroll 4
-        for (int ch = 0; ch < kChains; ++ch) {
-          const int64_t jj = j0 + ch;
-          if (hidden && hidden[i * kBc + jj]) continue;
-          const float ds_ij = ds[i * kBc + jj];
-          const float* k_j = k + jj * dp + d0;
-#pragma GCC unroll 8
-          for (int64_t c = 0; c < kDimVecs; ++c) acc[ch][c] += ds_ij * load<V>(k_j + c * W);
-        }
-      }
-#pragma GCC unroll 4
-      for (int ch = 1; ch < kChains; ++ch)
-#pragma GCC unroll 8
-        for (int64_t c = 0; c < kDimVecs; ++c) acc[0][c] += acc[ch][c];
-#pragma GCC unroll 8
-      for (int64_t c = 0; c < kDimVecs; ++c) store(dq + i * dp + d0 + c * W, acc[0][c]);
-    }
-  }
+  };
+  if (hidden)
+    sums(std::true_type{});
+  else
+    sums(std::false_type{});
   // END SOLUTION
 }
 

@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <iostream>
 
+#include "common/cpu_features.h"
 #include "common/world.h"
 #include "testing/failure_digest.h"
 #include "testing/session.h"
@@ -129,6 +130,17 @@ void run_launched_world(Comm& comm, const std::function<void(Comm&)>& body) {
 }
 
 }  // namespace
+
+void for_each_simd_level(const std::function<void(const std::string& at)>& body) {
+  struct Restore {
+    SimdLevel level = simd_level();
+    ~Restore() { set_simd_level(level); }
+  } restore;
+  for (int level = 0; level <= static_cast<int>(best_simd_level()); ++level) {
+    set_simd_level(static_cast<SimdLevel>(level));
+    body(" at SIMD " + describe(static_cast<SimdLevel>(level)));
+  }
+}
 
 void for_each_world(const std::function<void(Comm&)>& body) {
   if (Comm* world = detail::launched_world())

@@ -24,6 +24,11 @@ const std::vector<int>& local_world_sizes();
 /// failure on any rank fails the test on every rank, and an exception aborts the world.
 void for_each_world(const std::function<void(Comm&)>& body);
 
+/// Runs body(" at SIMD <level>") once at every SIMD level this CPU has, from the SSE2 baseline up
+/// (common/cpu_features.h: the CPU loops are compiled for each), then restores the level it found
+/// (CP_CPU_SIMD's), also when body throws: a CPU loop must hold its rules at every width.
+void for_each_simd_level(const std::function<void(const std::string& at)>& body);
+
 /// Runs fn and expects a cp::Error whose message contains `needle` (a cp::NotImplemented passes
 /// through, so that a test of learner code still shows NOT STARTED). Any other exception, or
 /// none, fails the test.
