@@ -112,14 +112,16 @@ CP_SIMD_INLINE float max_lane(V v) {
   }
 }
 
-/// The largest lane of a vector that holds no NaN: max_lane without its NaN test.
+/// The largest lane by plain comparisons: max_lane without its NaN test, so a NaN lane may be
+/// dropped. For a loop in which a NaN reaches the result another way (lesson 03's forward: the
+/// score's p = e^NaN joins l and O).
 template <typename V>
-CP_SIMD_INLINE float max_lane_of_ordinary(V v) {
+CP_SIMD_INLINE float max_lane_fast(V v) {
   if constexpr (lanes_of<V> == 1) {
     return v[0];
   } else {
     const auto lo = half_of(v, 0), hi = half_of(v, 1);
-    return max_lane_of_ordinary(lo > hi ? lo : hi);
+    return max_lane_fast(lo > hi ? lo : hi);
   }
 }
 

@@ -42,8 +42,7 @@ using kernels::kBr;
 using kernels::kDimAlign;
 using kernels::load;
 using kernels::max_keep_nan;
-using kernels::max_lane;
-using kernels::max_lane_of_ordinary;
+using kernels::max_lane_fast;
 using kernels::splat;
 using kernels::store;
 using kernels::UintVec;
@@ -124,8 +123,9 @@ CP_SIMD_INLINE void attend_tile(const float* q, int64_t rows, const float* kt, c
         for (int64_t c = 0; c < kTileVecs; ++c) store(s[r] + (c0 + c) * W, acc[r][c] * splat<V>(scale));
     }
     // 2. -inf for a key past the last, a key outside the row's range (masked), and every key of
-    //    a row past the tile's last (it must stay inert). Then each row's tile maximum (NaN wins),
-    //    and whether any score is -inf: those keys are left out of O += P V below.
+    //    a row past the tile's last (it must stay inert). Then each row's tile maximum, and
+    //    whether any score is -inf: those keys are left out of O += P V below. A NaN score needs
+    //    no care in the maximum: no row is skipped, so its p = NaN reaches l and O.
     const bool test_keys = masked || n < kBc || live < kRowGroup;
     if (test_keys)
       for (int64_t r = 0; r < kRowGroup; ++r)
@@ -133,26 +133,20 @@ CP_SIMD_INLINE void attend_tile(const float* q, int64_t rows, const float* kt, c
           if (r >= live || jj >= n || (masked && (k_pos[jj] < first[r0 + r] || k_pos[jj] > last[r0 + r])))
             s[r][jj] = -INFINITY;
     alignas(16) float tile_max[kRowGroup];
-    U ordinary = ~U{};  // lanes whose scores were all > -inf, none NaN: the common case
+    U minus_inf = {};  // all bits set in the lanes that held a -inf score
 #pragma GCC unroll 4
     for (int64_t r = 0; r < kRowGroup; ++r) {
       V row_max = load<V>(s[r]);
 #pragma GCC unroll 8
       for (int64_t c = 0; c < kKeyVecs; ++c) {
         const V s_c = load<V>(s[r] + c * W);
-        row_max = s_c > row_max ? s_c : row_max;  // one max; NaN is dealt with below
-        ordinary &= bits<U>(s_c > -INFINITY);     // false for -inf and for NaN
+        row_max = s_c > row_max ? s_c : row_max;  // a plain max: a NaN score reaches l and O through its p
+        minus_inf |= bits<U>(s_c == -INFINITY);
       }
-      tile_max[r] = max_lane_of_ordinary(row_max);
+      tile_max[r] = max_lane_fast(row_max);
     }
-    bool any_minus_inf_or_nan = false;
-    for (int k = 0; k < W; ++k) any_minus_inf_or_nan |= ordinary[k] == 0;
-    if (any_minus_inf_or_nan)  // the maxima again, a NaN winning (NaN and inf are never hidden)
-      for (int64_t r = 0; r < kRowGroup; ++r) {
-        V row_max = splat<V>(-INFINITY);
-        for (int64_t c = 0; c < kKeyVecs; ++c) row_max = max_keep_nan(load<V>(s[r] + c * W), row_max);
-        tile_max[r] = max_lane(row_max);
-      }
+    bool any_minus_inf = false;
+    for (int k = 0; k < W; ++k) any_minus_inf |= minus_inf[k] != 0;
     // 3. The online update of the four rows as vectors of one float per row: m_new, one exp for
     //    the four alpha (1 where m is unchanged, -inf included; 0 on a row's first visible tile),
     //    then p = e^(s - m_new) in vectors, and l = alpha l + sum p. A row with no visible key
@@ -206,7 +200,7 @@ CP_SIMD_INLINE void attend_tile(const float* q, int64_t rows, const float* kt, c
           for (int64_t c = 0; c < kTileVecs; ++c) store(o_g + r * dp + d0 + c * W, acc[r][c]);
       }
     };
-    if (any_minus_inf_or_nan)
+    if (any_minus_inf)
       accumulate(std::true_type{});
     else
       accumulate(std::false_type{});
