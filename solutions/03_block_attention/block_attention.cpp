@@ -30,9 +30,9 @@ namespace {
 // kBc = 32 keys, and the queries are walked in tiles of kBr = 32 rows; each query tile meets each
 // key tile in attend_tile (task 2), which keeps the (m, l, O) state of its rows. On a GPU a tile
 // lives in shared memory and a row's numbers in registers; here the key tile (8 KiB of K and 8
-// KiB of V at D = 64) stays in the L1 cache while the kBr rows reuse it, and a row's 32 scores
-// stay in SIMD registers (8 of 4 floats, 4 of 8 with AVX2, 2 of 16 with AVX-512) while the loop
-// over the head dim runs (README, "The CPU path").
+// KiB of V at D = 64) stays in the L1 cache while the kBr rows reuse it, four rows at a time, and
+// the scores of those four rows against 2W keys stay in 8 SIMD registers while the loop over the
+// head dim runs (README, "The CPU path").
 
 using kernels::bits;
 using kernels::exp_nonpos;

@@ -107,19 +107,20 @@ CP_SIMD_INLINE void backward_tile(const float* s, const float* dpt, const uint8_
   // STUB: throw NotImplemented("lesson 05, task 1: backward_tile");
   // 1. P = e^(scale·S − lse) from the saved lse, and dS = P ∘ (dP − D), times the scale that dQ
   //    and dK carry. Hidden pairs get numbers too (even NaN): the sums below skip them. The rows
-  //    after the last, up to the group of four, get dS = 0: step 4 adds them into dq rows that
+  //    after the last, up to the group of four, get dS = 0: step 3 adds them into dq rows that
   //    are never read.
   alignas(64) float p[kBr * kBc], ds[kBr * kBc];
-  const int64_t group_rows = (rows + kRowGroup - 1) / kRowGroup * kRowGroup;
-  for (int64_t i = 0; i < group_rows; ++i) {
+  for (int64_t i = 0; i < rows; ++i) {
 #pragma GCC unroll 8
     for (int64_t c = 0; c < kKeyVecs; ++c) {
       const int64_t at = i * kBc + c * W;
-      const V p_c = i < rows ? exp_nonpos(load<V>(s + at) * splat<V>(scale) - splat<V>(lse[i])) : V{};
+      const V p_c = exp_nonpos(load<V>(s + at) * splat<V>(scale) - splat<V>(lse[i]));
       store(p + at, p_c);
-      store(ds + at, i < rows ? p_c * (load<V>(dpt + at) - splat<V>(delta[i])) * splat<V>(scale) : V{});
+      store(ds + at, p_c * (load<V>(dpt + at) - splat<V>(delta[i])) * splat<V>(scale));
     }
   }
+  const int64_t group_rows = (rows + kRowGroup - 1) / kRowGroup * kRowGroup;
+  std::fill(ds + rows * kBc, ds + group_rows * kBc, 0.0f);
   // The three sums, each a register tile of 4 × 2W, once without a test of `hidden` (nearly
   // every tile) and once with it. A hidden pair is skipped, not multiplied by 0: its dout, q or
   // k may be NaN.
