@@ -26,10 +26,31 @@ Tolerance gradient_tolerance(torch::ScalarType dtype, const torch::Tensor& expec
   return {std::max(base.abs, base.rel * scale), base.rel};
 }
 
+namespace {
+
+/// The unit roundoff of a floating dtype: the largest relative error of one rounding to it.
+double unit_roundoff(torch::ScalarType dtype) {
+  switch (dtype) {
+    case torch::kHalf: return std::ldexp(1.0, -11);
+    case torch::kBFloat16: return std::ldexp(1.0, -8);
+    case torch::kFloat: return std::ldexp(1.0, -24);
+    default: return std::ldexp(1.0, -53);
+  }
+}
+
+double largest_magnitude(const torch::Tensor& t) { return t.numel() ? t.abs().max().item<double>() : 0.0; }
+
+}  // namespace
+
 Tolerance matrix_unit_tolerance(const torch::Tensor& v) {
   const Tolerance base = tolerance_for(v.scalar_type());
-  const double u = v.scalar_type() == torch::kHalf ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8);
-  return {base.abs + 2 * u * v.abs().max().item<double>(), base.rel};
+  return {base.abs + 2 * unit_roundoff(v.scalar_type()) * largest_magnitude(v), base.rel};
 }
+
+Tolerance merged_tolerance(const torch::Tensor& v, Tolerance base) {
+  return {base.abs + unit_roundoff(v.scalar_type()) * largest_magnitude(v), base.rel};
+}
+
+Tolerance merged_tolerance(const torch::Tensor& v) { return merged_tolerance(v, tolerance_for(v.scalar_type())); }
 
 }  // namespace cp

@@ -18,10 +18,14 @@ namespace cp {
 AttnResult attention_forward_tensor_cores(const torch::Tensor& q_in, const torch::Tensor& k_in,
                                           const torch::Tensor& v_in, const AttentionMask& mask,
                                           std::optional<double> scale) {
+  // The matrix units' own demands first: the shared checks would refuse float16 on the CPU with the
+  // CPU path's advice, which is not this kernel's reason.
+  if (q_in.defined()) {
+    CP_CHECK(q_in.scalar_type() == torch::kHalf || q_in.scalar_type() == torch::kBFloat16,
+             "q: the matrix units take float16 or bfloat16, got ", q_in.dtype());
+    CP_CHECK(q_in.is_cuda(), "q: the matrix units are a GPU's; q is on ", q_in.device());
+  }
   const AttentionShapes s = check_attention_inputs(q_in, k_in, v_in);
-  CP_CHECK(q_in.scalar_type() == torch::kHalf || q_in.scalar_type() == torch::kBFloat16,
-           "q: the matrix units take float16 or bfloat16, got ", q_in.dtype());
-  CP_CHECK(q_in.is_cuda(), "q: the matrix units are a GPU's; q is on ", q_in.device());
 #if CP_WITH_CUDA
   CP_CHECK(tensor_core_attention_supports_head_dim(s.head_dim), "q: head dim ", s.head_dim,
            " is not supported by the tensor-core kernel (64 or 128)");

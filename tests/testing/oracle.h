@@ -14,6 +14,7 @@ namespace cp::testing {
 
 // The tolerance table lives in common/ (the demos mark their errors with it too).
 using cp::gradient_tolerance;
+using cp::merged_tolerance;
 using cp::Tolerance;
 using cp::tolerance_for;
 
