@@ -228,8 +228,8 @@ bool report(const Problem& p, int world, const std::string& backend, const std::
   std::printf(
       "\nerr_fwd: max |error| of out and lse; err_bwd: of the gradients dq, dk, dv — against lessons 03/05\n"
       "  on one device over the whole sequence (same dtype). ok: every element within the tests' tolerance\n"
-      "  for %s (common/tolerance.cpp): |error| <= %g + %g·|expected|, plus u·max|v| for out (a ring\n"
-      "  rounds each block's out to %s before merging it; u: the dtype's unit roundoff); for the\n"
+      "  for %s (common/tolerance.cpp): |error| <= %g + %g·|expected|, and u·max|v| more for out\n"
+      "  (a ring rounds each block's out to %s before the merge; u: the dtype's unit roundoff); for the\n"
       "  gradients max(%g, %g·max|expected|) + %g·|expected|. imbalance: max/mean over ranks of the\n"
       "  (query, key) pairs computed in the forward (1.000 is perfect). MiB_sent: payload a rank sends,\n"
       "  forward + backward (collectives counted as ring algorithms do). peak_fwd/peak_bwd: MiB allocated\n"
@@ -423,10 +423,11 @@ bool report_layer(const Problem& p, int64_t seq, const std::vector<DemoStrategy>
       "\nerr_loss: |loss on N ranks − loss on one rank|; err_y: max |error| of the layer's output y;\n"
       "  err_weights: of Wq, Wk, Wv, Wo after the step. ok: %g·(1 + |loss|) for the loss,\n"
       "  %g + %g·|expected| for the weights, and for y, a sum of E products of both signs, the\n"
-      "  gradients' max(%g, %g·max|expected|) + %g·|expected| (common/tolerance.h). step_ms: forward,\n"
-      "  loss, backward, gradient all-reduce and SGD step, worst rank. Every figure but the times is the\n"
-      "  same on every run (fixed seeds, sums over ranks in rank order, one LibTorch thread per rank);\n"
-      "  another CPU can change the last digits (OpenBLAS picks its kernels by CPU; they round differently).\n",
+      "  gradients' max(%g, %g·max|expected|) + %g·|expected| (common/tolerance.h). step_ms:\n"
+      "  forward, loss, backward, gradient all-reduce and SGD step, worst rank. Every figure but the\n"
+      "  times is the same on every run (fixed seeds, sums over ranks in rank order, one LibTorch thread\n"
+      "  per rank); another CPU can change the last digits (OpenBLAS picks its kernels by CPU; they\n"
+      "  round differently).\n",
       tol.rel, tol.abs, tol.rel, tol.abs, tol.rel, tol.rel);
   return all_ok;
 }
