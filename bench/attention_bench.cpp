@@ -43,16 +43,22 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-/// The core's clock in GHz, measured: a chain of dependent integer adds runs one add per cycle on
-/// every x86-64 core, whatever /proc/cpuinfo says of turbo and virtual machines. 0 elsewhere.
+/// The core's clock in GHz, measured: a chain of dependent 64-bit multiplies takes 3 cycles per
+/// multiply on every x86-64 core of the last decade (AMD Zen 1-5, Intel since Nehalem), whatever
+/// /proc/cpuinfo says of turbo and virtual machines. Not adds: Intel's Golden Cove cores (Sapphire
+/// Rapids Xeons) run a chain of `add $1` several per cycle, which read 6-12 GHz on an H200's host
+/// (2026-11-27). 0 elsewhere.
 double measured_ghz() {
 #if defined(__x86_64__)
-  constexpr int64_t kIterations = 100'000'000;  // 4 adds each: 0.4 G cycles, about 0.1 s
-  int64_t x = 0;
+  constexpr int64_t kIterations = 10'000'000;  // 4 multiplies each: 0.12 G cycles, about 0.04 s
+  constexpr double kCyclesPerMultiply = 3.0;
+  int64_t x = 1;
+  const int64_t one = 1;
   const auto start = Clock::now();
-  for (int64_t i = 0; i < kIterations; ++i) asm volatile("add $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\tadd $1, %0" : "+r"(x));
+  for (int64_t i = 0; i < kIterations; ++i)
+    asm volatile("imul %1, %0\n\timul %1, %0\n\timul %1, %0\n\timul %1, %0" : "+r"(x) : "r"(one));
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-  return 4.0 * kIterations / seconds / 1e9;
+  return 4.0 * kCyclesPerMultiply * kIterations / seconds / 1e9;
 #else
   return 0.0;
 #endif

@@ -26,8 +26,12 @@ if(DEFINED ENV{CUDACXX})
 endif()
 set(cp_cucc ${CP_CUDA_CPU_ROOT}/bin/cucc)
 
-# The choice is made once per build folder: CMake cannot switch CUDA compilers in place.
-if(CMAKE_CUDA_COMPILER MATCHES "cucc$")
+# The choice is made once per build folder: CMake cannot switch CUDA compilers in place. A
+# CP_CUDA=none folder stays none: a CUDA LibTorch sets CMAKE_CUDA_COMPILER there too, which
+# would read as nvcc at the next configure.
+if(CP_CUDA STREQUAL "none" AND "$CACHE{CP_CUDA_BACKEND}" STREQUAL "none")
+  set(CP_CUDA_BACKEND none)
+elseif(CMAKE_CUDA_COMPILER MATCHES "cucc$")
   set(CP_CUDA_BACKEND cuda-cpu)
 elseif(CMAKE_CUDA_COMPILER)
   set(CP_CUDA_BACKEND nvcc)
