@@ -5,6 +5,22 @@
 
 namespace cp {
 
+namespace {
+
+/// The unit roundoff of a floating dtype: the largest relative error of one rounding to it.
+double unit_roundoff(torch::ScalarType dtype) {
+  switch (dtype) {
+    case torch::kHalf: return std::ldexp(1.0, -11);
+    case torch::kBFloat16: return std::ldexp(1.0, -8);
+    case torch::kFloat: return std::ldexp(1.0, -24);
+    default: return std::ldexp(1.0, -53);
+  }
+}
+
+double largest_magnitude(const torch::Tensor& t) { return t.numel() ? t.abs().max().item<double>() : 0.0; }
+
+}  // namespace
+
 Tolerance tolerance_for(torch::ScalarType dtype) {
   switch (dtype) {
     // The kernels accumulate in float32 whatever the input, so float32 and float64 results
@@ -22,25 +38,8 @@ Tolerance tolerance_for(torch::ScalarType dtype) {
 
 Tolerance gradient_tolerance(torch::ScalarType dtype, const torch::Tensor& expected) {
   const Tolerance base = tolerance_for(dtype);
-  const double scale = expected.numel() ? expected.abs().max().item<double>() : 0.0;
-  return {std::max(base.abs, base.rel * scale), base.rel};
+  return {std::max(base.abs, base.rel * largest_magnitude(expected)), base.rel};
 }
-
-namespace {
-
-/// The unit roundoff of a floating dtype: the largest relative error of one rounding to it.
-double unit_roundoff(torch::ScalarType dtype) {
-  switch (dtype) {
-    case torch::kHalf: return std::ldexp(1.0, -11);
-    case torch::kBFloat16: return std::ldexp(1.0, -8);
-    case torch::kFloat: return std::ldexp(1.0, -24);
-    default: return std::ldexp(1.0, -53);
-  }
-}
-
-double largest_magnitude(const torch::Tensor& t) { return t.numel() ? t.abs().max().item<double>() : 0.0; }
-
-}  // namespace
 
 Tolerance matrix_unit_tolerance(const torch::Tensor& v) {
   const Tolerance base = tolerance_for(v.scalar_type());

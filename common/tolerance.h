@@ -31,7 +31,7 @@ Tolerance matrix_unit_tolerance(const torch::Tensor& v);
 /// The tolerance for out of a ring (lessons 04-16): out merged from blocks whose outs were each
 /// rounded to v's dtype before the merge, since the block kernel writes the input's dtype (as
 /// FlashAttention's does; ring-flash-attention and TransformerEngine merge such outs the same
-/// way). out = sum_i w_i o_i with sum_i w_i = 1 and |o_i| <= max|v|, so those roundings add at most
+/// way). out = Σₛ wₛ·outₛ with Σₛ wₛ = 1 and |outₛ| ≤ max|v|, so those roundings add at most
 /// u · max|v| (u as above; 2⁻²⁴ for float32) to `base`'s absolute part.
 Tolerance merged_tolerance(const torch::Tensor& v, Tolerance base);
 /// merged_tolerance on v's dtype's own tolerance.
