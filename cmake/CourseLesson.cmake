@@ -29,6 +29,9 @@ function(course_register_tests exe name)
   foreach(source IN LISTS ARG_SOURCES)
     file(STRINGS ${source} lines REGEX "^[A-Z_]+\\([A-Za-z0-9]*,")
     list(APPEND suites ${lines})
+    # A suite added to the file later must get its entries: without this, the build compiles it
+    # and no entry runs it until the next configure.
+    set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS ${source})
   endforeach()
   set(cuda_suites ${suites})
   list(FILTER cuda_suites INCLUDE REGEX "^[A-Z_]+\\([A-Za-z0-9]*Cuda,")
