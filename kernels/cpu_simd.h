@@ -147,7 +147,7 @@ CP_SIMD_INLINE float sum_lanes(V v) {
 /// - Clamping x to [-88, 0] first keeps n in [-127, 0]: 2^n is then its exponent field alone,
 ///   and n = -127 gives that field 0, the float 0, so e^-inf = 0 costs no extra test. The two
 ///   comparisons are false for NaN, which passes through.
-/// It is a fifth of lesson 03's forward: every operation here counts (docs/performance.md).
+/// Lesson 03's forward runs it once per score: each operation here counts (docs/performance.md).
 template <typename V>
 CP_SIMD_INLINE V exp_nonpos(V x) {
   using U = typename UintVec<lanes_of<V>>::type;
