@@ -65,6 +65,7 @@ __global__ void __launch_bounds__(kThreads)
   T* v_tile = k_tile + kBc * kLd<D>;             // [kBc][kLd]
   __shared__ int64_t kpos_tile[kBc];
   __shared__ int64_t block_first, block_last;
+  __shared__ int tile_seen[2];  // some key of the tile is within [block_first, block_last] (masked)
   static_assert(kBr == kBc, "the Q tile borrows the K tile's shared memory");
 
   const int64_t bh = blockIdx.x, b = bh / p.heads_q, h = bh % p.heads_q;
@@ -112,15 +113,21 @@ CP_FRAGMENT_LOOP
 
   for (int64_t j0 = 0; j0 < p.seq_k; j0 += kBc) {
     const int n = p.seq_k - j0 < kBc ? static_cast<int>(p.seq_k - j0) : kBc;
+    const int parity = static_cast<int>(j0 / kBc) % 2;
     if (threadIdx.x < kBc) kpos_tile[threadIdx.x] = threadIdx.x < n ? k_pos[j0 + threadIdx.x] : LLONG_MAX;
+    if (threadIdx.x == 0) tile_seen[parity] = 0;
     __syncthreads();
-    if (p.masked) {  // the same answer in every thread: the whole block skips or none does
-      int64_t lo, hi;
-      kernels::covered_range(kpos_tile, kpos_tile, n, lo, hi);
-      if (lo > block_last || hi < block_first) {
-        __syncthreads();
-        continue;
-      }
+    if (p.masked) {
+      // One vote per tile: each of the first kBc threads tests its own key, and the whole block
+      // skips the tile when no key lies within the positions its rows see. (Every thread scanning
+      // all kBc positions cost as much as the tile's mma at D = 64.) A flag in shared memory, not
+      // __syncthreads_or, which CUDA on the CPU cannot link; set atomically (plain stores of the
+      // same value by several threads are a hazard to racecheck), one per tile parity, so that
+      // thread 0 resets the next tile's flag while slower threads may still read this one's.
+      if (threadIdx.x < n && kpos_tile[threadIdx.x] >= block_first && kpos_tile[threadIdx.x] <= block_last)
+        atomicOr(&tile_seen[parity], 1);
+      __syncthreads();
+      if (!tile_seen[parity]) continue;
     }
     load_tile<T, D, kBc>(k_tile, k_head, j0, n);
     load_tile<T, D, kBc>(v_tile, v_head, j0, n);
