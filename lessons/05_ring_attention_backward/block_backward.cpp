@@ -36,9 +36,9 @@ torch::Tensor softmax_backward_delta(const torch::Tensor& dout, const torch::Ten
 //
 // The backward of lesson 03's tiles: for each (batch, kv head) the keys are packed in tiles of
 // kBc = 32, and every key tile meets every query tile of kBr = 32 rows of each query head of the
-// group. A tile pair computes its scores S = Q Kᵀ and dP = dO Vᵀ (given below), and
-// backward_tile (task 1) turns them into P, dS and the five products' three sums: dV += Pᵀ dO,
-// dK += dSᵀ Q, dQ += dS K. dK, dV of the group and dQ of the head are float32 accumulators in
+// group, kKeyTilesPerPass key tiles at a time. A tile pair computes its scores S = Q Kᵀ and
+// dP = dO Vᵀ (given below), and backward_tile (task 1) turns them into P, dS and the five
+// products' three sums: dV += Pᵀ dO, dK += dSᵀ Q, dQ += dS K. dK, dV of the group and dQ of the head are float32 accumulators in
 // packed rows, added into the outputs once at the end (README, "The block backward on the CPU").
 
 using kernels::exp_nonpos;
@@ -56,6 +56,11 @@ using kernels::store;
 /// tile serves four multiply-adds (README, "The block backward on the CPU").
 constexpr int64_t kRowGroup = 4;
 constexpr int64_t kTileVecs = 2;  ///< a register tile: kRowGroup rows (or keys) × 2 vectors, 8 sums
+/// Key tiles that meet the query tiles together (a pass): the pass's 8 · kBc = 256 keys, their K, V
+/// and their dK, dV sums, stay in the core's caches while every query tile's q, dout and dq come by
+/// once, instead of once per key tile. From S = 4096 on, one head's query rows no longer stay in the
+/// caches (lesson 03's forward does the same with query tiles; its README, "The CPU path").
+constexpr int64_t kKeyTilesPerPass = 8;
 
 /// out[i][jj] = a_i · b_jj for `rows` rows of a ([rows][dp], zero rows after them up to a
 /// multiple of kRowGroup) and the kBc rows of a tile b packed transposed (bt: [dp][kBc]): the
@@ -152,24 +157,27 @@ void backward_group(const T* q, const T* k, const T* v, const T* dout, const flo
     std::vector<bool> empty_row_in_tile(query_tiles, false);  // a row with lse = -inf sees nothing
     for (int64_t i = 0; i < s.seq_q; ++i)
       if (lse_h[i] == -INFINITY) empty_row_in_tile[i / kBr] = true;
-    for (int64_t t = 0; t < key_tiles; ++t) {
-      const int64_t j0 = t * kBc, n = std::min(kBc, s.seq_k - j0);
+    for (int64_t pass_t0 = 0; pass_t0 < key_tiles; pass_t0 += kKeyTilesPerPass) {
+      const int64_t pass_end = std::min(key_tiles, pass_t0 + kKeyTilesPerPass);
       for (int64_t u = 0; u < query_tiles; ++u) {
         const int64_t i0 = u * kBr, rows = std::min(kBr, s.seq_q - i0);
-        if (ranges[u].misses(k_min[t], k_max[t])) continue;  // no row sees any key of the tile: skip the pair
-        const bool by_mask = !ranges[u].sees_all(k_min[t], k_max[t]);
-        const bool masked = by_mask || n < kBc || empty_row_in_tile[u];
-        if (masked) {
-          for (int64_t i = 0; i < rows; ++i)
-            for (int64_t jj = 0; jj < kBc; ++jj)
-              hidden[i * kBc + jj] = jj >= n || lse_h[i0 + i] == -INFINITY ||
-                                     (by_mask && (k_pos[j0 + jj] < first[i0 + i] || k_pos[j0 + jj] > last[i0 + i]));
+        for (int64_t t = pass_t0; t < pass_end; ++t) {
+          const int64_t j0 = t * kBc, n = std::min(kBc, s.seq_k - j0);
+          if (ranges[u].misses(k_min[t], k_max[t])) continue;  // no row sees any key of the tile: skip the pair
+          const bool by_mask = !ranges[u].sees_all(k_min[t], k_max[t]);
+          const bool masked = by_mask || n < kBc || empty_row_in_tile[u];
+          if (masked) {
+            for (int64_t i = 0; i < rows; ++i)
+              for (int64_t jj = 0; jj < kBc; ++jj)
+                hidden[i * kBc + jj] = jj >= n || lse_h[i0 + i] == -INFINITY ||
+                                       (by_mask && (k_pos[j0 + jj] < first[i0 + i] || k_pos[j0 + jj] > last[i0 + i]));
+          }
+          kernels::simd_call<TilePair>(q_rows.data() + i0 * dp, do_rows.data() + i0 * dp, kt.data() + t * dp * kBc,
+                                       vt.data() + t * dp * kBc, k_rows.data() + j0 * dp,
+                                       masked ? hidden : nullptr, lse_h + i0, delta_h + i0, rows, scale, dp, s_tile,
+                                       dp_tile, dq_acc.data() + i0 * dp, dk_acc.data() + j0 * dp,
+                                       dv_acc.data() + j0 * dp);
         }
-        kernels::simd_call<TilePair>(q_rows.data() + i0 * dp, do_rows.data() + i0 * dp, kt.data() + t * dp * kBc,
-                                     vt.data() + t * dp * kBc, k_rows.data() + j0 * dp,
-                                     masked ? hidden : nullptr, lse_h + i0, delta_h + i0, rows, scale, dp, s_tile,
-                                     dp_tile, dq_acc.data() + i0 * dp, dk_acc.data() + j0 * dp,
-                                     dv_acc.data() + j0 * dp);
       }
     }
     for (int64_t i = 0; i < s.seq_q; ++i)

@@ -233,13 +233,26 @@ void finish_rows(const RowState& state, int64_t rows, int64_t d_model, int64_t d
   // END SOLUTION
 }
 
+/// Query tiles that walk the key tiles together (a pass): each key tile, once loaded, serves the
+/// pass's 16 · kBr = 512 rows before the next one comes, instead of every query tile walking all the
+/// keys alone. From S = 4096 on, one head's packed K and V (4 MiB and more at D = 128) no longer stay
+/// in the core's caches, and every walk read them again from L3 or memory (README, "The CPU path").
+constexpr int64_t kTilesPerPass = 16;
+
+/// One query tile of a pass: its rows, packed as float32, their state, and the keys they see.
+struct QueryTile {
+  int64_t i0 = 0, rows = 0;
+  std::vector<float> q;  // [kBr][dp]
+  RowState state;
+  kernels::RowRanges ranges;
+};
+
 AttnResult forward_cpu(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                        const torch::Tensor& k_pos, const VisibleKeys& keys, float scale, const AttentionShapes& s) {
   AttnResult result{torch::empty_like(q), torch::empty({s.batch, s.heads_q, s.seq_q}, q.options().dtype(torch::kFloat))};
   const int64_t group = s.heads_q / s.heads_kv;
   KeyTiles kv;
-  RowState state;
-  std::vector<float> q_tile;
+  std::vector<QueryTile> pass(kTilesPerPass);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attention_block_forward", [&] {
     const scalar_t* pq = q.data_ptr<scalar_t>();
     const scalar_t* pk = k.data_ptr<scalar_t>();
@@ -254,33 +267,44 @@ AttnResult forward_cpu(const torch::Tensor& q, const torch::Tensor& k, const tor
         const int64_t bh = b * s.heads_q + h, bh_kv = b * s.heads_kv + h / group;
         if (h % group == 0) {  // the group's query heads share one packed kv head
           pack_keys(pk + bh_kv * s.seq_k * s.head_dim, pv + bh_kv * s.seq_k * s.head_dim, kp, s.seq_k, s.head_dim, kv);
-          q_tile.assign(kBr * kv.dp, 0.0f);
-          state.o.resize(kBr * kv.dp);
-        }
-        for (int64_t i0 = 0; i0 < s.seq_q; i0 += kBr) {
-          const int64_t rows = std::min(kBr, s.seq_q - i0);
-          const scalar_t* q_rows = pq + (bh * s.seq_q + i0) * s.head_dim;
-          for (int64_t i = 0; i < rows; ++i)
-            for (int64_t d = 0; d < s.head_dim; ++d)
-              q_tile[i * kv.dp + d] = static_cast<float>(q_rows[i * s.head_dim + d]);
-          std::fill(state.m, state.m + kBr, -INFINITY);  // every row of the tile, used or not
-          std::fill(state.l, state.l + kBr, 0.0f);
-          std::fill(state.o.begin(), state.o.end(), 0.0f);
-          const kernels::RowRanges ranges = kernels::row_ranges(first, last, i0, rows);
-          for (int64_t t = 0; t < kv.tiles; ++t) {
-            if (ranges.misses(kv.min_pos[t], kv.max_pos[t])) {  // no row sees any key of the tile
-              ++result.tiles_skipped;
-              continue;
-            }
-            ++result.tiles_computed;
-            const bool masked = !ranges.sees_all(kv.min_pos[t], kv.max_pos[t]);
-            kernels::simd_call<AttendTile>(q_tile.data(), rows, kv.kt.data() + t * kv.dp * kBc,
-                                           kv.v.data() + t * kBc * kv.dp, std::min(kBc, s.seq_k - t * kBc),
-                                           first ? first + i0 : nullptr, last ? last + i0 : nullptr, kp + t * kBc,
-                                           masked, scale, kv.dp, state);
+          for (QueryTile& tile : pass) {
+            tile.q.assign(kBr * kv.dp, 0.0f);
+            tile.state.o.resize(kBr * kv.dp);
           }
-          finish_rows(state, rows, s.head_dim, kv.dp, pout + (bh * s.seq_q + i0) * s.head_dim,
-                      plse + bh * s.seq_q + i0);
+        }
+        for (int64_t pass_i0 = 0; pass_i0 < s.seq_q; pass_i0 += kTilesPerPass * kBr) {
+          const int64_t tiles = std::min(kTilesPerPass, (s.seq_q - pass_i0 + kBr - 1) / kBr);
+          for (int64_t u = 0; u < tiles; ++u) {
+            QueryTile& tile = pass[u];
+            tile.i0 = pass_i0 + u * kBr;
+            tile.rows = std::min(kBr, s.seq_q - tile.i0);
+            const scalar_t* q_rows = pq + (bh * s.seq_q + tile.i0) * s.head_dim;
+            for (int64_t i = 0; i < tile.rows; ++i)
+              for (int64_t d = 0; d < s.head_dim; ++d)
+                tile.q[i * kv.dp + d] = static_cast<float>(q_rows[i * s.head_dim + d]);
+            std::fill(tile.state.m, tile.state.m + kBr, -INFINITY);  // every row of the tile, used or not
+            std::fill(tile.state.l, tile.state.l + kBr, 0.0f);
+            std::fill(tile.state.o.begin(), tile.state.o.end(), 0.0f);
+            tile.ranges = kernels::row_ranges(first, last, tile.i0, tile.rows);
+          }
+          for (int64_t t = 0; t < kv.tiles; ++t) {
+            for (int64_t u = 0; u < tiles; ++u) {
+              QueryTile& tile = pass[u];
+              if (tile.ranges.misses(kv.min_pos[t], kv.max_pos[t])) {  // no row sees any key of the tile
+                ++result.tiles_skipped;
+                continue;
+              }
+              ++result.tiles_computed;
+              const bool masked = !tile.ranges.sees_all(kv.min_pos[t], kv.max_pos[t]);
+              kernels::simd_call<AttendTile>(tile.q.data(), tile.rows, kv.kt.data() + t * kv.dp * kBc,
+                                             kv.v.data() + t * kBc * kv.dp, std::min(kBc, s.seq_k - t * kBc),
+                                             first ? first + tile.i0 : nullptr, last ? last + tile.i0 : nullptr,
+                                             kp + t * kBc, masked, scale, kv.dp, tile.state);
+            }
+          }
+          for (int64_t u = 0; u < tiles; ++u)
+            finish_rows(pass[u].state, pass[u].rows, s.head_dim, kv.dp, pout + (bh * s.seq_q + pass[u].i0) * s.head_dim,
+                        plse + bh * s.seq_q + pass[u].i0);
         }
       }
     }
