@@ -13,6 +13,12 @@ namespace cp::kernels {
 constexpr int64_t kBc = 32;        ///< keys per tile, as in the CUDA kernels
 constexpr int64_t kBr = 32;        ///< query rows per tile
 constexpr int64_t kDimAlign = 32;  ///< packed rows: zeros up to a multiple of 32 dims, summed 32 at a time
+/// Key tiles that meet the query tiles together (a pass), forward and backward: every query tile
+/// of the head takes the pass's 8 · kBc = 256 keys, in order, while they stay in the core's L2
+/// cache, and the next query tile finds them there. A query tile walking all the keys alone read
+/// each key tile again from L3 or memory (the backward: each key tile, all the query rows); from
+/// S = 4096 on, one head's packed rows no longer fit the caches (docs/performance.md).
+constexpr int64_t kKeyTilesPerPass = 8;
 
 /// The head dim of packed rows: d_model rounded up to a multiple of kDimAlign.
 inline int64_t padded_dim(int64_t d_model) { return (d_model + kDimAlign - 1) / kDimAlign * kDimAlign; }

@@ -127,8 +127,10 @@ CP_TEST(Lesson05, Task1_BlockBackwardMatchesAutograd) {
     bool causal;
   };
   uint64_t seed = 1;
+  // The last two: 300 keys are 10 key tiles, one pass of 8 and a short one (kernels::kKeyTilesPerPass).
   for (const Case& c : std::vector<Case>{{1, 1, 1, 1, 1, 32, false}, {2, 4, 2, 33, 65, 32, false},
-                                         {1, 4, 1, 70, 70, 64, true}, {1, 2, 2, 45, 100, 24, false}})
+                                         {1, 4, 1, 70, 70, 64, true}, {1, 2, 2, 45, 100, 24, false},
+                                         {1, 2, 1, 40, 300, 32, false}, {1, 1, 1, 300, 300, 16, true}})
     check_block_backward(random_inputs(c.b, c.hq, c.hkv, c.sq, c.sk, c.d, seed++), {c.causal, {}, {}}, torch::kCPU,
                          torch::kFloat, "cpu");
 }

@@ -29,8 +29,9 @@ namespace {
 // ── The CPU path ─────────────────────────────────────────────────────────────────────────────
 //
 // FlashAttention on one core: the keys of a (batch, kv head) are packed once into tiles of
-// kBc = 32 keys, and the queries are walked in tiles of kBr = 32 rows; each query tile meets each
-// key tile in attend_tile (task 2), which keeps the (m, l, O) state of its rows. On a GPU a tile
+// kBc = 32 keys, and the queries into tiles of kBr = 32 rows; each query tile meets each key tile
+// in attend_tile (task 2), which keeps the (m, l, O) state of its rows. The key tiles come
+// kKeyTilesPerPass at a time (a pass), met by every query tile while they stay in L2. On a GPU a tile
 // lives in shared memory and a row's numbers in registers; here the key tile (8 KiB of K and 8
 // KiB of V at D = 64) stays in the L1 cache while the kBr rows reuse it, four rows at a time, and
 // the scores of those four rows against 2W keys stay in 8 SIMD registers while the loop over the
@@ -42,6 +43,7 @@ using kernels::fvec;
 using kernels::kBc;
 using kernels::kBr;
 using kernels::kDimAlign;
+using kernels::kKeyTilesPerPass;
 using kernels::load;
 using kernels::max_keep_nan;
 using kernels::max_lane_fast;
@@ -123,13 +125,7 @@ void finish_rows(const RowState& state, int64_t rows, int64_t d_model, int64_t d
   // END YOUR CODE
 }
 
-/// Query tiles that walk the key tiles together (a pass): each key tile, once loaded, serves the
-/// pass's 16 · kBr = 512 rows before the next one comes, instead of every query tile walking all the
-/// keys alone. From S = 4096 on, one head's packed K and V (4 MiB and more at D = 128) no longer stay
-/// in the core's caches, and every walk read them again from L3 or memory (README, "The CPU path").
-constexpr int64_t kTilesPerPass = 16;
-
-/// One query tile of a pass: its rows, packed as float32, their state, and the keys they see.
+/// A query tile of a head: its rows, packed as float32, their state and the keys they see.
 struct QueryTile {
   int64_t i0 = 0, rows = 0;
   std::vector<float> q;  // [kBr][dp]
@@ -142,7 +138,7 @@ AttnResult forward_cpu(const torch::Tensor& q, const torch::Tensor& k, const tor
   AttnResult result{torch::empty_like(q), torch::empty({s.batch, s.heads_q, s.seq_q}, q.options().dtype(torch::kFloat))};
   const int64_t group = s.heads_q / s.heads_kv;
   KeyTiles kv;
-  std::vector<QueryTile> pass(kTilesPerPass);
+  std::vector<QueryTile> query((s.seq_q + kBr - 1) / kBr);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attention_block_forward", [&] {
     const scalar_t* pq = q.data_ptr<scalar_t>();
     const scalar_t* pk = k.data_ptr<scalar_t>();
@@ -155,31 +151,25 @@ AttnResult forward_cpu(const torch::Tensor& q, const torch::Tensor& k, const tor
     for (int64_t b = 0; b < s.batch; ++b) {
       for (int64_t h = 0; h < s.heads_q; ++h) {
         const int64_t bh = b * s.heads_q + h, bh_kv = b * s.heads_kv + h / group;
-        if (h % group == 0) {  // the group's query heads share one packed kv head
+        if (h % group == 0)  // the group's query heads share one packed kv head
           pack_keys(pk + bh_kv * s.seq_k * s.head_dim, pv + bh_kv * s.seq_k * s.head_dim, kp, s.seq_k, s.head_dim, kv);
-          for (QueryTile& tile : pass) {
-            tile.q.assign(kBr * kv.dp, 0.0f);
-            tile.state.o.resize(kBr * kv.dp);
-          }
+        for (int64_t u = 0; u < static_cast<int64_t>(query.size()); ++u) {
+          QueryTile& tile = query[u];
+          tile.i0 = u * kBr;
+          tile.rows = std::min(kBr, s.seq_q - tile.i0);
+          tile.q.assign(kBr * kv.dp, 0.0f);
+          const scalar_t* q_rows = pq + (bh * s.seq_q + tile.i0) * s.head_dim;
+          for (int64_t i = 0; i < tile.rows; ++i)
+            for (int64_t d = 0; d < s.head_dim; ++d) tile.q[i * kv.dp + d] = static_cast<float>(q_rows[i * s.head_dim + d]);
+          std::fill(tile.state.m, tile.state.m + kBr, -INFINITY);  // every row of the tile, used or not
+          std::fill(tile.state.l, tile.state.l + kBr, 0.0f);
+          tile.state.o.assign(kBr * kv.dp, 0.0f);
+          tile.ranges = kernels::row_ranges(first, last, tile.i0, tile.rows);
         }
-        for (int64_t pass_i0 = 0; pass_i0 < s.seq_q; pass_i0 += kTilesPerPass * kBr) {
-          const int64_t tiles = std::min(kTilesPerPass, (s.seq_q - pass_i0 + kBr - 1) / kBr);
-          for (int64_t u = 0; u < tiles; ++u) {
-            QueryTile& tile = pass[u];
-            tile.i0 = pass_i0 + u * kBr;
-            tile.rows = std::min(kBr, s.seq_q - tile.i0);
-            const scalar_t* q_rows = pq + (bh * s.seq_q + tile.i0) * s.head_dim;
-            for (int64_t i = 0; i < tile.rows; ++i)
-              for (int64_t d = 0; d < s.head_dim; ++d)
-                tile.q[i * kv.dp + d] = static_cast<float>(q_rows[i * s.head_dim + d]);
-            std::fill(tile.state.m, tile.state.m + kBr, -INFINITY);  // every row of the tile, used or not
-            std::fill(tile.state.l, tile.state.l + kBr, 0.0f);
-            std::fill(tile.state.o.begin(), tile.state.o.end(), 0.0f);
-            tile.ranges = kernels::row_ranges(first, last, tile.i0, tile.rows);
-          }
-          for (int64_t t = 0; t < kv.tiles; ++t) {
-            for (int64_t u = 0; u < tiles; ++u) {
-              QueryTile& tile = pass[u];
+        for (int64_t pass_t0 = 0; pass_t0 < kv.tiles; pass_t0 += kKeyTilesPerPass) {
+          const int64_t pass_end = std::min(kv.tiles, pass_t0 + kKeyTilesPerPass);
+          for (QueryTile& tile : query) {
+            for (int64_t t = pass_t0; t < pass_end; ++t) {
               if (tile.ranges.misses(kv.min_pos[t], kv.max_pos[t])) {  // no row sees any key of the tile
                 ++result.tiles_skipped;
                 continue;
@@ -192,10 +182,10 @@ AttnResult forward_cpu(const torch::Tensor& q, const torch::Tensor& k, const tor
                                              kp + t * kBc, masked, scale, kv.dp, tile.state);
             }
           }
-          for (int64_t u = 0; u < tiles; ++u)
-            finish_rows(pass[u].state, pass[u].rows, s.head_dim, kv.dp, pout + (bh * s.seq_q + pass[u].i0) * s.head_dim,
-                        plse + bh * s.seq_q + pass[u].i0);
         }
+        for (const QueryTile& tile : query)
+          finish_rows(tile.state, tile.rows, s.head_dim, kv.dp, pout + (bh * s.seq_q + tile.i0) * s.head_dim,
+                      plse + bh * s.seq_q + tile.i0);
       }
     }
   });

@@ -45,6 +45,7 @@ using kernels::fvec;
 using kernels::kBc;
 using kernels::kBr;
 using kernels::kDimAlign;
+using kernels::kKeyTilesPerPass;
 using kernels::load;
 using kernels::pack_rows;
 using kernels::pack_transposed;
@@ -55,11 +56,6 @@ using kernels::store;
 /// tile serves four multiply-adds (README, "The block backward on the CPU").
 constexpr int64_t kRowGroup = 4;
 constexpr int64_t kTileVecs = 2;  ///< a register tile: kRowGroup rows (or keys) × 2 vectors, 8 sums
-/// Key tiles that meet the query tiles together (a pass): the pass's 8 · kBc = 256 keys, their K, V
-/// and their dK, dV sums, stay in the core's caches while every query tile's q, dout and dq come by
-/// once, instead of once per key tile. From S = 4096 on, one head's query rows no longer stay in the
-/// caches (lesson 03's forward does the same with query tiles; its README, "The CPU path").
-constexpr int64_t kKeyTilesPerPass = 8;
 
 /// out[i][jj] = a_i · b_jj for `rows` rows of a ([rows][dp], zero rows after them up to a
 /// multiple of kRowGroup) and the kBc rows of a tile b packed transposed (bt: [dp][kBc]): the
