@@ -30,12 +30,12 @@ namespace {
 //
 // FlashAttention on one core: the keys of a (batch, kv head) are packed once into tiles of
 // kBc = 32 keys, and the queries into tiles of kBr = 32 rows; each query tile meets each key tile
-// in attend_tile (task 2), which keeps the (m, l, O) state of its rows. The key tiles come
-// kKeyTilesPerPass at a time (a pass), met by every query tile while they stay in L2. On a GPU a tile
-// lives in shared memory and a row's numbers in registers; here the key tile (8 KiB of K and 8
-// KiB of V at D = 64) stays in the L1 cache while the kBr rows reuse it, four rows at a time, and
-// the scores of those four rows against 2W keys stay in 8 SIMD registers while the loop over the
-// head dim runs (README, "The CPU path").
+// in attend_tile (task 2), which keeps the (m, l, O) state of its rows. On a GPU a tile lives in
+// shared memory and a row's numbers in registers; here the key tile (8 KiB of K and 8 KiB of V at
+// D = 64) stays in the L1 cache while the kBr rows reuse it, four rows at a time, and the scores
+// of those four rows against 2W keys stay in 8 SIMD registers while the loop over the head dim
+// runs. The key tiles come kKeyTilesPerPass at a time (a pass), which every query tile meets in
+// turn while it stays in the L2 cache (README, "The CPU path").
 
 using kernels::bits;
 using kernels::exp_nonpos;
@@ -160,7 +160,8 @@ AttnResult forward_cpu(const torch::Tensor& q, const torch::Tensor& k, const tor
           tile.q.assign(kBr * kv.dp, 0.0f);
           const scalar_t* q_rows = pq + (bh * s.seq_q + tile.i0) * s.head_dim;
           for (int64_t i = 0; i < tile.rows; ++i)
-            for (int64_t d = 0; d < s.head_dim; ++d) tile.q[i * kv.dp + d] = static_cast<float>(q_rows[i * s.head_dim + d]);
+            for (int64_t d = 0; d < s.head_dim; ++d)
+              tile.q[i * kv.dp + d] = static_cast<float>(q_rows[i * s.head_dim + d]);
           std::fill(tile.state.m, tile.state.m + kBr, -INFINITY);  // every row of the tile, used or not
           std::fill(tile.state.l, tile.state.l + kBr, 0.0f);
           tile.state.o.assign(kBr * kv.dp, 0.0f);
