@@ -38,8 +38,9 @@ torch::Tensor softmax_backward_delta(const torch::Tensor& dout, const torch::Ten
 // kBc = 32, and every key tile meets every query tile of kBr = 32 rows of each query head of the
 // group, kKeyTilesPerPass key tiles at a time. A tile pair computes its scores S = Q Kᵀ and
 // dP = dO Vᵀ (given below), and backward_tile (task 1) turns them into P, dS and the five
-// products' three sums: dV += Pᵀ dO, dK += dSᵀ Q, dQ += dS K. dK, dV of the group and dQ of the head are float32 accumulators in
-// packed rows, added into the outputs once at the end (README, "The block backward on the CPU").
+// products' three sums: dV += Pᵀ dO, dK += dSᵀ Q, dQ += dS K. dK, dV of the group and dQ of the
+// head are float32 accumulators in packed rows, added into the outputs once at the end (README,
+// "The block backward on the CPU"). Each sum takes its terms in the same order as without passes.
 
 using kernels::exp_nonpos;
 using kernels::fvec;
