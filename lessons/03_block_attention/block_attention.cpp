@@ -58,8 +58,8 @@ using kernels::sum_lanes;
 /// key position of each tile decide the causal skip.
 struct KeyTiles {
   int64_t dp = 0, tiles = 0;  // dp: the head dim padded to a multiple of kDimAlign
-  std::vector<float> kt;      // [tiles][dp][kBc]
-  std::vector<float> v;       // [tiles · kBc][dp]
+  kernels::TileFloats kt;     // [tiles][dp][kBc]
+  kernels::TileFloats v;      // [tiles · kBc][dp]
   std::vector<int64_t> min_pos, max_pos;
 };
 
@@ -75,7 +75,7 @@ void pack_keys(const T* k, const T* v, const int64_t* k_pos, int64_t seq_k, int6
 /// The (m, l, O) state of a query tile's rows: O is [kBr][dp], unnormalised, float32.
 struct RowState {
   float m[kBr], l[kBr];
-  std::vector<float> o;
+  kernels::TileFloats o;
 };
 
 /// Query rows meet a key tile kRowGroup at a time (README, "The CPU path"): each K and V vector
@@ -128,7 +128,7 @@ void finish_rows(const RowState& state, int64_t rows, int64_t d_model, int64_t d
 /// A query tile of a head: its rows, packed as float32, their state and the keys they see.
 struct QueryTile {
   int64_t i0 = 0, rows = 0;
-  std::vector<float> q;  // [kBr][dp]
+  kernels::TileFloats q;  // [kBr][dp]
   RowState state;
   kernels::RowRanges ranges;
 };

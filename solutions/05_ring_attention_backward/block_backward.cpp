@@ -212,11 +212,11 @@ void backward_group(const T* q, const T* k, const T* v, const T* dout, const flo
                     const AttentionShapes& s, int64_t group, float* dq, float* dk, float* dv) {
   const int64_t d_model = s.head_dim, dp = kernels::padded_dim(d_model);
   const int64_t key_tiles = (s.seq_k + kBc - 1) / kBc, query_tiles = (s.seq_q + kBr - 1) / kBr;
-  std::vector<float> kt, vt, k_rows, q_rows, do_rows, dq_acc;
+  kernels::TileFloats kt, vt, k_rows, q_rows, do_rows, dq_acc;
   pack_transposed(k, s.seq_k, d_model, dp, kt);
   pack_transposed(v, s.seq_k, d_model, dp, vt);
   pack_rows(k, s.seq_k, d_model, dp, kBc, k_rows);
-  std::vector<float> dk_acc(k_rows.size(), 0.0f), dv_acc(k_rows.size(), 0.0f);
+  kernels::TileFloats dk_acc(k_rows.size(), 0.0f), dv_acc(k_rows.size(), 0.0f);
   std::vector<int64_t> k_min, k_max;  // positions of each key tile
   kernels::tile_position_bounds(k_pos, s.seq_k, kBc, k_min, k_max);
   std::vector<kernels::RowRanges> ranges;  // the keys each query tile sees (first = nullptr: all)

@@ -121,11 +121,11 @@ CP_FRAGMENT_LOOP
       // One vote per tile: each of the first kBc threads tests its own key, and the whole block
       // skips the tile when no key lies within the positions its rows see. (With every thread
       // scanning all kBc positions instead, the causal forward at D = 64 took as long as the full
-      // one on an H200: docs/performance.md.) The vote is a flag in shared memory, not
-      // __syncthreads_or, which CUDA on the CPU cannot link. It is set atomically (plain stores of
-      // the same value by several threads are a hazard to racecheck), and there is one per tile
-      // parity, so that thread 0 resets the next tile's flag while slower threads may still read
-      // this one's.
+      // one on an H200; with the vote, 0.56-0.72 of it: docs/performance.md.) The vote is a flag
+      // in shared memory, not __syncthreads_or, which CUDA on the CPU cannot link. It is set
+      // atomically (plain stores of the same value by several threads are a hazard to
+      // racecheck), and there is one per tile parity, so that thread 0 resets the next tile's
+      // flag while slower threads may still read this one's.
       if (threadIdx.x < n && kpos_tile[threadIdx.x] >= block_first && kpos_tile[threadIdx.x] <= block_last)
         atomicOr(&tile_seen[parity], 1);
       __syncthreads();
