@@ -24,8 +24,9 @@ constexpr int64_t kKeyTilesPerPass = 8;
 /// An allocator whose arrays start on a 64-byte cache line. The packed rows below are multiples of
 /// 32 floats, so every row and tile then starts on one too, and no vector load (8 floats at AVX2,
 /// 16 at AVX-512) reads two cache lines. glibc's malloc puts a large block 16 bytes past a page
-/// boundary, where half the 32-byte loads and every 64-byte load straddled two lines: the forward
-/// ran 1.02-1.19 times slower so with AVX2 on an AMD EPYC, 1.06-1.09 with AVX-512 on an Intel Xeon
+/// boundary, where half the 32-byte loads and every 64-byte load straddled two lines. Measured in
+/// a copy of the forward's loops with AVX-512 on an Intel Xeon: 1.06-1.09 times as fast on lines;
+/// with AVX2 on an AMD EPYC the real passes showed no difference beyond the noise
 /// (docs/performance.md, "Tiles on cache lines").
 template <typename T>
 struct CacheLineAllocator {
