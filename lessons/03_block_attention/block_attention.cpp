@@ -34,8 +34,10 @@ namespace {
 // shared memory and a row's numbers in registers; here the key tile (8 KiB of K and 8 KiB of V at
 // D = 64) stays in the L1 cache while the kBr rows reuse it, four rows at a time, and the scores
 // of those four rows against 2W keys stay in 8 SIMD registers while the loop over the head dim
-// runs. The key tiles come kKeyTilesPerPass at a time (a pass), which every query tile meets in
-// turn while it stays in the L2 cache (README, "The CPU path").
+// runs. Each of the tile's three steps (scores, softmax, O += P V) runs over all the rows before
+// the next, so that K and then V are read from L1. The key tiles come kKeyTilesPerPass at a time
+// (a pass), which every query tile meets in turn while it stays in the L2 cache (README, "The CPU
+// path").
 
 using kernels::bits;
 using kernels::exp_nonpos;

@@ -32,8 +32,10 @@ namespace {
 // shared memory and a row's numbers in registers; here the key tile (8 KiB of K and 8 KiB of V at
 // D = 64) stays in the L1 cache while the kBr rows reuse it, four rows at a time, and the scores
 // of those four rows against 2W keys stay in 8 SIMD registers while the loop over the head dim
-// runs. The key tiles come kKeyTilesPerPass at a time (a pass), which every query tile meets in
-// turn while it stays in the L2 cache (README, "The CPU path").
+// runs. Each of the tile's three steps (scores, softmax, O += P V) runs over all the rows before
+// the next, so that K and then V are read from L1. The key tiles come kKeyTilesPerPass at a time
+// (a pass), which every query tile meets in turn while it stays in the L2 cache (README, "The CPU
+// path").
 
 using kernels::bits;
 using kernels::exp_nonpos;
@@ -102,12 +104,16 @@ CP_SIMD_INLINE void attend_tile(const float* q, int64_t rows, const float* kt, c
   // STUB: (void)q, (void)rows, (void)kt, (void)v, (void)n, (void)first, (void)last, (void)k_pos, (void)masked,
   // STUB: (void)scale, (void)dp, (void)state;
   // STUB: throw NotImplemented("lesson 03, task 2: attend_tile (the CPU tile loop)");
+  // The tile's three steps, each over all row groups in turn: S = scale · Q Kᵀ, the online
+  // softmax of S (m, l and P), O = alpha O + P V. Each step reads one tile of K or V while it is
+  // in the L1 cache, and the scores and P of all the tile's rows wait between the steps.
+  alignas(64) float s[kBr][kBc], p[kBr][kBc];
+  alignas(64) float alpha[kBr];
+  bool any_minus_inf[kBr / kRowGroup];  // per group: some score is -inf
+  // 1. Scores, kTileVecs · W keys at a time: each K vector, loaded once, meets a group's four
+  //    rows; the 8 sums stay in registers over the head dim.
   for (int64_t r0 = 0; r0 < rows; r0 += kRowGroup) {
     const float* q_g = q + r0 * dp;
-    const int64_t live = std::min(kRowGroup, rows - r0);  // rows of the group that exist
-    // 1. The group's scores, kTileVecs · W keys at a time: each K vector, loaded once, meets the
-    //    four rows; the 8 sums stay in registers over the head dim.
-    alignas(64) float s[kRowGroup][kBc];
     for (int64_t c0 = 0; c0 < kKeyVecs; c0 += kTileVecs) {
       V acc[kRowGroup][kTileVecs] = {};
       for (int64_t d = 0; d < dp; ++d) {
@@ -122,61 +128,66 @@ CP_SIMD_INLINE void attend_tile(const float* q, int64_t rows, const float* kt, c
 #pragma GCC unroll 4
       for (int64_t r = 0; r < kRowGroup; ++r)
 #pragma GCC unroll 2
-        for (int64_t c = 0; c < kTileVecs; ++c) store(s[r] + (c0 + c) * W, acc[r][c] * splat<V>(scale));
+        for (int64_t c = 0; c < kTileVecs; ++c) store(s[r0 + r] + (c0 + c) * W, acc[r][c] * splat<V>(scale));
     }
-    // 2. -inf for a key past the last, a key outside the row's range (masked), and every key of
-    //    a row past the tile's last (it must stay inert). Then each row's tile maximum, and
-    //    whether any score is -inf: those keys are left out of O += P V below. A NaN score needs
-    //    no care in the maximum: no row is skipped, so its p = NaN reaches l and O.
-    const bool test_keys = masked || n < kBc || live < kRowGroup;
-    if (test_keys)
+  }
+  // 2. The online softmax, a group at a time. First -inf for a key past the last, a key outside
+  //    the row's range (masked), and every key of a row past the tile's last (it must stay
+  //    inert). Then each row's tile maximum, and whether any score is -inf: those keys are left
+  //    out of O += P V below. A NaN score needs no care in the maximum: no row is skipped, so its
+  //    p = NaN reaches l and O.
+  for (int64_t r0 = 0; r0 < rows; r0 += kRowGroup) {
+    const int64_t live = std::min(kRowGroup, rows - r0);  // rows of the group that exist
+    if (masked || n < kBc || live < kRowGroup)
       for (int64_t r = 0; r < kRowGroup; ++r)
         for (int64_t jj = 0; jj < kBc; ++jj)
           if (r >= live || jj >= n || (masked && (k_pos[jj] < first[r0 + r] || k_pos[jj] > last[r0 + r])))
-            s[r][jj] = -INFINITY;
+            s[r0 + r][jj] = -INFINITY;
     alignas(16) float tile_max[kRowGroup];
     U minus_inf = {};  // all bits set in the lanes that held a -inf score
 #pragma GCC unroll 4
     for (int64_t r = 0; r < kRowGroup; ++r) {
-      V row_max = load<V>(s[r]);
+      V row_max = load<V>(s[r0 + r]);
 #pragma GCC unroll 8
       for (int64_t c = 0; c < kKeyVecs; ++c) {
-        const V s_c = load<V>(s[r] + c * W);
+        const V s_c = load<V>(s[r0 + r] + c * W);
         row_max = s_c > row_max ? s_c : row_max;  // a plain max: a NaN score reaches l and O through its p
         minus_inf |= bits<U>(s_c == -INFINITY);
       }
       tile_max[r] = max_lane_fast(row_max);
     }
-    bool any_minus_inf = false;
-    for (int k = 0; k < W; ++k) any_minus_inf |= minus_inf[k] != 0;
-    // 3. The online update of the four rows as vectors of one float per row: m_new, one exp for
-    //    the four alpha (1 where m is unchanged, -inf included; 0 on a row's first visible tile),
-    //    then p = e^(s - m_new) in vectors, and l = alpha l + sum p. A row with no visible key
-    //    yet subtracts 0, not -inf (e^(-inf - -inf) would be NaN): its p are e^-inf = 0.
+    bool group_minus_inf = false;
+    for (int k = 0; k < W; ++k) group_minus_inf |= minus_inf[k] != 0;
+    any_minus_inf[r0 / kRowGroup] = group_minus_inf;
+    // The four rows' update as vectors of one float per row: m_new, one exp for the four alpha
+    // (1 where m is unchanged, -inf included; 0 on a row's first visible tile), then
+    // p = e^(s - m_new) in vectors, and l = alpha l + sum p. A row with no visible key yet
+    // subtracts 0, not -inf (e^(-inf - -inf) would be NaN): its p are e^-inf = 0.
     const G m_old = load<G>(state.m + r0);
     const G m_new = max_keep_nan(load<G>(tile_max), m_old);
-    const G alpha = exp_nonpos(m_new == m_old ? G{} : m_old - m_new);
-    alignas(16) float alpha_r[kRowGroup], m_sub[kRowGroup], p_sum[kRowGroup];
-    store(alpha_r, alpha);
+    const G alpha_g = exp_nonpos(m_new == m_old ? G{} : m_old - m_new);
+    alignas(16) float m_sub[kRowGroup], p_sum[kRowGroup];
+    store(alpha + r0, alpha_g);
     store(m_sub, m_new == -INFINITY ? G{} : m_new);
     store(state.m + r0, m_new);
-    alignas(64) float p[kRowGroup][kBc];
 #pragma GCC unroll 4
     for (int64_t r = 0; r < kRowGroup; ++r) {
       V sum = {};
 #pragma GCC unroll 8
       for (int64_t c = 0; c < kKeyVecs; ++c) {
-        const V p_c = exp_nonpos(load<V>(s[r] + c * W) - splat<V>(m_sub[r]));
-        store(p[r] + c * W, p_c);
+        const V p_c = exp_nonpos(load<V>(s[r0 + r] + c * W) - splat<V>(m_sub[r]));
+        store(p[r0 + r] + c * W, p_c);
         sum += p_c;
       }
       p_sum[r] = sum_lanes(sum);
     }
-    store(state.l + r0, load<G>(state.l + r0) * alpha + load<G>(p_sum));
-    // 4. O = alpha O + P V, kTileVecs · W dims at a time: each V vector, loaded once, meets the
-    //    four rows. A key with s = -inf (hidden) is left out, not multiplied by p = 0: its v may
-    //    be NaN. A visible key counts at p = 0. The test costs a branch per row and key, so
-    //    it is compiled only into the copy that tiles with a -inf score run.
+    store(state.l + r0, load<G>(state.l + r0) * alpha_g + load<G>(p_sum));
+  }
+  // 3. O = alpha O + P V, kTileVecs · W dims at a time: each V vector, loaded once, meets a
+  //    group's four rows. A key with s = -inf (hidden) is left out, not multiplied by p = 0: its v
+  //    may be NaN. A visible key counts at p = 0. The test costs a branch per row and key, so it
+  //    is compiled only into the copy that groups with a -inf score run.
+  for (int64_t r0 = 0; r0 < rows; r0 += kRowGroup) {
     float* o_g = state.o.data() + r0 * dp;
     auto accumulate = [&](auto leave_out_minus_inf) CP_SIMD_LAMBDA {
       for (int64_t d0 = 0; d0 < dp; d0 += kTileVecs * W) {
@@ -184,16 +195,17 @@ CP_SIMD_INLINE void attend_tile(const float* q, int64_t rows, const float* kt, c
 #pragma GCC unroll 4
         for (int64_t r = 0; r < kRowGroup; ++r)
 #pragma GCC unroll 2
-          for (int64_t c = 0; c < kTileVecs; ++c) acc[r][c] = load<V>(o_g + r * dp + d0 + c * W) * splat<V>(alpha_r[r]);
+          for (int64_t c = 0; c < kTileVecs; ++c)
+            acc[r][c] = load<V>(o_g + r * dp + d0 + c * W) * splat<V>(alpha[r0 + r]);
         for (int64_t jj = 0; jj < kBc; ++jj) {
           V v_j[kTileVecs];
 #pragma GCC unroll 2
           for (int64_t c = 0; c < kTileVecs; ++c) v_j[c] = load<V>(v + jj * dp + d0 + c * W);
 #pragma GCC unroll 4
           for (int64_t r = 0; r < kRowGroup; ++r) {
-            if (decltype(leave_out_minus_inf)::value && s[r][jj] == -INFINITY) continue;
+            if (decltype(leave_out_minus_inf)::value && s[r0 + r][jj] == -INFINITY) continue;
 #pragma GCC unroll 2
-            for (int64_t c = 0; c < kTileVecs; ++c) acc[r][c] += p[r][jj] * v_j[c];
+            for (int64_t c = 0; c < kTileVecs; ++c) acc[r][c] += p[r0 + r][jj] * v_j[c];
           }
         }
 #pragma GCC unroll 4
@@ -202,7 +214,7 @@ CP_SIMD_INLINE void attend_tile(const float* q, int64_t rows, const float* kt, c
           for (int64_t c = 0; c < kTileVecs; ++c) store(o_g + r * dp + d0 + c * W, acc[r][c]);
       }
     };
-    if (any_minus_inf)
+    if (any_minus_inf[r0 / kRowGroup])
       accumulate(std::true_type{});
     else
       accumulate(std::false_type{});
