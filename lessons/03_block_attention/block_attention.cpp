@@ -37,10 +37,11 @@ namespace {
 // runs. Each of the tile's three steps (scores, softmax, O += P V) runs over all the rows before
 // the next, so that K and then V are read from L1. The key tiles come kKeyTilesPerPass at a time
 // (a pass), which every query tile meets in turn while it stays in the L2 cache (README, "The CPU
-// path").
+// path"). The scores are kept in base 2, s · log2 e, as FlashAttention-2 keeps them: each p is
+// then one exp2_nonpos, cheaper than exp_nonpos, and lse = ln 2 · (m + log2 l).
 
 using kernels::bits;
-using kernels::exp_nonpos;
+using kernels::exp2_nonpos;
 using kernels::fvec;
 using kernels::kBc;
 using kernels::kBr;
@@ -74,7 +75,8 @@ void pack_keys(const T* k, const T* v, const int64_t* k_pos, int64_t seq_k, int6
   kernels::tile_position_bounds(k_pos, seq_k, kBc, kv.min_pos, kv.max_pos);
 }
 
-/// The (m, l, O) state of a query tile's rows: O is [kBr][dp], unnormalised, float32.
+/// The (m, l, O) state of a query tile's rows: m in base 2 (the largest s · log2 e so far), l the
+/// sum of the rows' p = 2^(s log2 e - m), O is [kBr][dp], unnormalised, float32.
 struct RowState {
   float m[kBr], l[kBr];
   kernels::TileFloats o;
@@ -83,6 +85,10 @@ struct RowState {
 /// Query rows meet a key tile kRowGroup at a time (README, "The CPU path"): each K and V vector
 /// loaded serves the group's four rows, and the rows' scalar steps (m, α, l) are one vector.
 constexpr int64_t kRowGroup = 4;
+
+/// log2 e and ln 2: scores in base 2 (x log2 e), and back (lse = ln 2 · (m + log2 l)).
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2 = 0.693147180559945309f;
 
 /// Task 2: `rows` query rows (q: [rows][dp] float32; row i sees the key positions first[i] ..
 /// last[i]) against one key tile of n keys (kt: [dp][kBc], the tile transposed; v: [kBc][dp];
@@ -121,7 +127,7 @@ struct AttendTile {
 template <typename T>
 void finish_rows(const RowState& state, int64_t rows, int64_t d_model, int64_t dp, T* out, float* lse) {
   // BEGIN YOUR CODE task 2: out and lse of the tile's rows
-  // TODO(lesson 03, task 2): out = O / l and lse = m + log l of each row (0 and -inf: no visible key).
+  // TODO(lesson 03, task 2): out = O / l and lse = ln 2 · (m + log2 l) of each row (0 and -inf: no visible key).
   (void)state, (void)rows, (void)d_model, (void)dp, (void)out, (void)lse;
   throw NotImplemented("lesson 03, task 2: finish_rows");
   // END YOUR CODE

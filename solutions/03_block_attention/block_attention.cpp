@@ -35,10 +35,11 @@ namespace {
 // runs. Each of the tile's three steps (scores, softmax, O += P V) runs over all the rows before
 // the next, so that K and then V are read from L1. The key tiles come kKeyTilesPerPass at a time
 // (a pass), which every query tile meets in turn while it stays in the L2 cache (README, "The CPU
-// path").
+// path"). The scores are kept in base 2, s · log2 e, as FlashAttention-2 keeps them: each p is
+// then one exp2_nonpos, cheaper than exp_nonpos, and lse = ln 2 · (m + log2 l).
 
 using kernels::bits;
-using kernels::exp_nonpos;
+using kernels::exp2_nonpos;
 using kernels::fvec;
 using kernels::kBc;
 using kernels::kBr;
@@ -72,7 +73,8 @@ void pack_keys(const T* k, const T* v, const int64_t* k_pos, int64_t seq_k, int6
   kernels::tile_position_bounds(k_pos, seq_k, kBc, kv.min_pos, kv.max_pos);
 }
 
-/// The (m, l, O) state of a query tile's rows: O is [kBr][dp], unnormalised, float32.
+/// The (m, l, O) state of a query tile's rows: m in base 2 (the largest s · log2 e so far), l the
+/// sum of the rows' p = 2^(s log2 e - m), O is [kBr][dp], unnormalised, float32.
 struct RowState {
   float m[kBr], l[kBr];
   kernels::TileFloats o;
@@ -81,6 +83,10 @@ struct RowState {
 /// Query rows meet a key tile kRowGroup at a time (README, "The CPU path"): each K and V vector
 /// loaded serves the group's four rows, and the rows' scalar steps (m, α, l) are one vector.
 constexpr int64_t kRowGroup = 4;
+
+/// log2 e and ln 2: scores in base 2 (x log2 e), and back (lse = ln 2 · (m + log2 l)).
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2 = 0.693147180559945309f;
 
 /// Task 2: `rows` query rows (q: [rows][dp] float32; row i sees the key positions first[i] ..
 /// last[i]) against one key tile of n keys (kt: [dp][kBc], the tile transposed; v: [kBc][dp];
@@ -104,9 +110,10 @@ CP_SIMD_INLINE void attend_tile(const float* q, int64_t rows, const float* kt, c
   // STUB: (void)q, (void)rows, (void)kt, (void)v, (void)n, (void)first, (void)last, (void)k_pos, (void)masked,
   // STUB: (void)scale, (void)dp, (void)state;
   // STUB: throw NotImplemented("lesson 03, task 2: attend_tile (the CPU tile loop)");
-  // The tile's three steps, each over all row groups in turn: S = scale · Q Kᵀ, the online
-  // softmax of S (m, l and P), O = alpha O + P V. Each step reads one tile of K or V while it is
+  // The tile's three steps, each over all row groups in turn: S = scale · log2 e · Q Kᵀ (the
+  // scores in base 2), the online softmax of S (m, l and P), O = alpha O + P V. Each step reads one tile of K or V while it is
   // in the L1 cache, and the scores and P of all the tile's rows wait between the steps.
+  const float scale_log2e = scale * kLog2e;
   alignas(64) float s[kBr][kBc], p[kBr][kBc];
   alignas(64) float alpha[kBr];
   bool any_minus_inf[kBr / kRowGroup];  // per group: some score is -inf
@@ -128,7 +135,7 @@ CP_SIMD_INLINE void attend_tile(const float* q, int64_t rows, const float* kt, c
 #pragma GCC unroll 4
       for (int64_t r = 0; r < kRowGroup; ++r)
 #pragma GCC unroll 2
-        for (int64_t c = 0; c < kTileVecs; ++c) store(s[r0 + r] + (c0 + c) * W, acc[r][c] * splat<V>(scale));
+        for (int64_t c = 0; c < kTileVecs; ++c) store(s[r0 + r] + (c0 + c) * W, acc[r][c] * splat<V>(scale_log2e));
     }
   }
   // 2. The online softmax, a group at a time. First -inf for a key past the last, a key outside
@@ -159,13 +166,13 @@ CP_SIMD_INLINE void attend_tile(const float* q, int64_t rows, const float* kt, c
     bool group_minus_inf = false;
     for (int k = 0; k < W; ++k) group_minus_inf |= minus_inf[k] != 0;
     any_minus_inf[r0 / kRowGroup] = group_minus_inf;
-    // The four rows' update as vectors of one float per row: m_new, one exp for the four alpha
+    // The four rows' update as vectors of one float per row: m_new, one exp2 for the four alpha
     // (1 where m is unchanged, -inf included; 0 on a row's first visible tile), then
-    // p = e^(s - m_new) in vectors, and l = alpha l + sum p. A row with no visible key yet
-    // subtracts 0, not -inf (e^(-inf - -inf) would be NaN): its p are e^-inf = 0.
+    // p = 2^(s - m_new) in vectors, and l = alpha l + sum p. A row with no visible key yet
+    // subtracts 0, not -inf (2^(-inf - -inf) would be NaN): its p are 2^-inf = 0.
     const G m_old = load<G>(state.m + r0);
     const G m_new = max_keep_nan(load<G>(tile_max), m_old);
-    const G alpha_g = exp_nonpos(m_new == m_old ? G{} : m_old - m_new);
+    const G alpha_g = exp2_nonpos(m_new == m_old ? G{} : m_old - m_new);
     alignas(16) float m_sub[kRowGroup], p_sum[kRowGroup];
     store(alpha + r0, alpha_g);
     store(m_sub, m_new == -INFINITY ? G{} : m_new);
@@ -175,7 +182,7 @@ CP_SIMD_INLINE void attend_tile(const float* q, int64_t rows, const float* kt, c
       V sum = {};
 #pragma GCC unroll 8
       for (int64_t c = 0; c < kKeyVecs; ++c) {
-        const V p_c = exp_nonpos(load<V>(s[r0 + r] + c * W) - splat<V>(m_sub[r]));
+        const V p_c = exp2_nonpos(load<V>(s[r0 + r] + c * W) - splat<V>(m_sub[r]));
         store(p[r0 + r] + c * W, p_c);
         sum += p_c;
       }
@@ -234,7 +241,7 @@ struct AttendTile {
 template <typename T>
 void finish_rows(const RowState& state, int64_t rows, int64_t d_model, int64_t dp, T* out, float* lse) {
   // BEGIN SOLUTION task 2: out and lse of the tile's rows
-  // STUB: // TODO(lesson 03, task 2): out = O / l and lse = m + log l of each row (0 and -inf: no visible key).
+  // STUB: // TODO(lesson 03, task 2): out = O / l and lse = ln 2 · (m + log2 l) of each row (0 and -inf: no visible key).
   // STUB: (void)state, (void)rows, (void)d_model, (void)dp, (void)out, (void)lse;
   // STUB: throw NotImplemented("lesson 03, task 2: finish_rows");
   for (int64_t i = 0; i < rows; ++i) {
@@ -242,7 +249,8 @@ void finish_rows(const RowState& state, int64_t rows, int64_t d_model, int64_t d
     // l = 0: no visible key, out 0 and lse -inf. Not `l > 0`, which a NaN row (l = NaN) would fail.
     const float inv_l = l == 0.0f ? 0.0f : 1.0f / l;
     for (int64_t d = 0; d < d_model; ++d) out[i * d_model + d] = static_cast<T>(state.o[i * dp + d] * inv_l);
-    lse[i] = l == 0.0f ? -INFINITY : m == INFINITY ? INFINITY : m + std::log(l);  // a +inf score: l = inf/inf = NaN
+    // m is in base 2. A +inf score: l = inf/inf = NaN, lse +inf.
+    lse[i] = l == 0.0f ? -INFINITY : m == INFINITY ? INFINITY : kLn2 * (m + std::log2(l));
   }
   // END SOLUTION
 }
