@@ -127,7 +127,7 @@ struct AttendTile {
 template <typename T>
 void finish_rows(const RowState& state, int64_t rows, int64_t d_model, int64_t dp, T* out, float* lse) {
   // BEGIN YOUR CODE task 2: out and lse of the tile's rows
-  // TODO(lesson 03, task 2): out = O / l and lse = ln 2 · (m + log2 l) of each row (0 and -inf: no visible key).
+  // TODO(lesson 03, task 2): out = O / l and lse = ln 2 (m + log2 l) of each row (0, -inf: no visible key).
   (void)state, (void)rows, (void)d_model, (void)dp, (void)out, (void)lse;
   throw NotImplemented("lesson 03, task 2: finish_rows");
   // END YOUR CODE

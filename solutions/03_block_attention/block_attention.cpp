@@ -111,8 +111,9 @@ CP_SIMD_INLINE void attend_tile(const float* q, int64_t rows, const float* kt, c
   // STUB: (void)scale, (void)dp, (void)state;
   // STUB: throw NotImplemented("lesson 03, task 2: attend_tile (the CPU tile loop)");
   // The tile's three steps, each over all row groups in turn: S = scale · log2 e · Q Kᵀ (the
-  // scores in base 2), the online softmax of S (m, l and P), O = alpha O + P V. Each step reads one tile of K or V while it is
-  // in the L1 cache, and the scores and P of all the tile's rows wait between the steps.
+  // scores in base 2), the online softmax of S (m, l and P), O = alpha O + P V. Each step reads
+  // one tile of K or V while it is in the L1 cache, and the scores and P of all the tile's rows
+  // wait between the steps.
   const float scale_log2e = scale * kLog2e;
   alignas(64) float s[kBr][kBc], p[kBr][kBc];
   alignas(64) float alpha[kBr];
@@ -241,7 +242,7 @@ struct AttendTile {
 template <typename T>
 void finish_rows(const RowState& state, int64_t rows, int64_t d_model, int64_t dp, T* out, float* lse) {
   // BEGIN SOLUTION task 2: out and lse of the tile's rows
-  // STUB: // TODO(lesson 03, task 2): out = O / l and lse = ln 2 · (m + log2 l) of each row (0 and -inf: no visible key).
+  // STUB: // TODO(lesson 03, task 2): out = O / l and lse = ln 2 (m + log2 l) of each row (0, -inf: no visible key).
   // STUB: (void)state, (void)rows, (void)d_model, (void)dp, (void)out, (void)lse;
   // STUB: throw NotImplemented("lesson 03, task 2: finish_rows");
   for (int64_t i = 0; i < rows; ++i) {
