@@ -21,6 +21,15 @@ constexpr int64_t kDimAlign = 32;  ///< packed rows: zeros up to a multiple of 3
 /// S = 4096 on, one head's packed rows no longer fit the caches (docs/performance.md).
 constexpr int64_t kKeyTilesPerPass = 8;
 
+/// Rows that meet a tile together in the CPU loops (lesson 03's query rows; lesson 05's query rows
+/// or keys), for W floats per SIMD register: each vector loaded from the tile serves every row of
+/// the group, and the group's register tile, rows × 2 vectors, holds 2 · group sums. Four rows fill
+/// 8 of the 16 registers of SSE2 and AVX2 (the others hold the loaded vectors; six rows measured no
+/// faster). AVX-512 has 32: eight rows ran lesson 03's forward 1.09-1.11 times and lesson 05's
+/// backward 1.05-1.12 times as fast as four on an Intel Xeon (docs/performance.md, "Row groups at
+/// AVX-512").
+constexpr int64_t row_group(int w) { return w == 16 ? 8 : 4; }
+
 /// An allocator whose arrays start on a 64-byte cache line. The packed rows below are multiples of
 /// 32 floats, so every row and tile then starts on one too, and no vector load (8 floats at AVX2,
 /// 16 at AVX-512) reads two cache lines. glibc's malloc puts a large block 16 bytes past a page

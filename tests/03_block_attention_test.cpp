@@ -333,8 +333,8 @@ CP_TEST(Lesson03, Task2_NanAndInfInputsFollowTheDefinition) {
 
 CP_TEST(Lesson03, Task2_CpuForwardAtEverySimdLevel) {
   // The loop is compiled for each vector width (4, 8, 16 floats): each copy must hold the same
-  // rules. Last query tiles of 1 and 6 rows (groups of four cut short), D = 32 to 128, a causal
-  // diagonal, rows with no visible key, and the NaN and inf cases on 43 rows.
+  // rules. Last query tiles of 1, 4, 6 and 11 rows (groups of four or eight cut short), D = 32 to
+  // 128, a causal diagonal, rows with no visible key, and the NaN and inf cases on 43 rows.
   testing::for_each_simd_level([](const std::string& at) {
     uint64_t seed = 60;
     for (const Case& c : std::vector<Case>{{2, 4, 2, 33, 65, 64, false}, {1, 6, 3, 129, 127, 128, false},

@@ -178,8 +178,8 @@ CP_TEST(Lesson05, Task1_NanInputsGiveNanExactlyWhereTheDefinitionDoes) {
 
 CP_TEST(Lesson05, Task1_CpuBackwardAtEverySimdLevel) {
   // The tile loops are compiled for each vector width (4, 8, 16 floats): each copy must hold the
-  // same rules. Query tiles cut short in a group of four (33 and 70 rows), rows with no visible
-  // key, and a NaN in each input on 43 rows.
+  // same rules. Query tiles cut short inside a group of four or eight rows (33, 70 and 43 rows:
+  // last tiles of 1, 6 and 11 rows), rows with no visible key, and a NaN in each input on 43 rows.
   testing::for_each_simd_level([](const std::string& at) {
     check_block_backward(random_inputs(2, 4, 2, 33, 65, 32, 51), causal_mask(false), torch::kCPU, torch::kFloat,
                          "cpu" + at);

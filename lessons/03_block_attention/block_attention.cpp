@@ -32,13 +32,14 @@ namespace {
 // kBc = 32 keys, and the queries into tiles of kBr = 32 rows; each query tile meets each key tile
 // in attend_tile (task 2), which keeps the (m, l, O) state of its rows. On a GPU a tile lives in
 // shared memory and a row's numbers in registers; here the key tile (8 KiB of K and 8 KiB of V at
-// D = 64) stays in the L1 cache while the kBr rows reuse it, four rows at a time, and the scores
-// of those four rows against 2W keys stay in 8 SIMD registers while the loop over the head dim
-// runs. Each of the tile's three steps (scores, softmax, O += P V) runs over all the rows before
-// the next, so that K and then V are read from L1. The key tiles come kKeyTilesPerPass at a time
-// (a pass), which every query tile meets in turn while it stays in the L2 cache (README, "The CPU
-// path"). The scores are kept in base 2, s · log2 e, as FlashAttention-2 keeps them: each p is
-// then one exp2_nonpos, cheaper than exp_nonpos, and lse = ln 2 · (m + log2 l).
+// D = 64) stays in the L1 cache while the kBr rows reuse it, a group of rows at a time (four;
+// eight with AVX-512), and the scores of a group against 2W keys stay in SIMD registers while the
+// loop over the head dim runs. Each of the tile's three steps (scores, softmax, O += P V) runs
+// over all the rows before the next, so that K and then V are read from L1. The key tiles come
+// kKeyTilesPerPass at a time (a pass), which every query tile meets in turn while it stays in the
+// L2 cache (README, "The CPU path"). The scores are kept in base 2, s · log2 e, as
+// FlashAttention-2 keeps them: each p is then one exp2_nonpos, cheaper than exp_nonpos, and
+// lse = ln 2 · (m + log2 l).
 
 using kernels::bits;
 using kernels::exp2_nonpos;
@@ -82,10 +83,6 @@ struct RowState {
   kernels::TileFloats o;
 };
 
-/// Query rows meet a key tile kRowGroup at a time (README, "The CPU path"): each K and V vector
-/// loaded serves the group's four rows, and the rows' scalar steps (m, α, l) are one vector.
-constexpr int64_t kRowGroup = 4;
-
 /// log2 e and ln 2: scores in base 2 (x log2 e), and back (lse = ln 2 · (m + log2 l)).
 constexpr float kLog2e = 1.44269504088896341f;
 constexpr float kLn2 = 0.693147180559945309f;
@@ -100,11 +97,12 @@ template <int W>
 CP_SIMD_INLINE void attend_tile(const float* q, int64_t rows, const float* kt, const float* v, int64_t n,
                                 const int64_t* first, const int64_t* last, const int64_t* k_pos, bool masked,
                                 float scale, int64_t dp, RowState& state) {
+  constexpr int64_t kRowGroup = kernels::row_group(W);  // rows per group: 4, or 8 with AVX-512's 32 registers
   using V = fvec<W>;                     // W floats: 4, 8 or 16 (kernels/cpu_simd.h)
   using G = fvec<kRowGroup>;             // one float per row of a group
   using U = typename UintVec<W>::type;   // W lanes of bits
   constexpr int64_t kKeyVecs = kBc / W;  // a row's kBc scores: 8, 4 or 2 vectors
-  constexpr int64_t kTileVecs = 2;       // a register tile: kRowGroup rows × 2 vectors (8 sums)
+  constexpr int64_t kTileVecs = 2;       // a register tile: kRowGroup rows × 2 vectors
   static_assert(kBr % kRowGroup == 0 && kDimAlign % (kTileVecs * W) == 0, "groups and register tiles must fit");
   // BEGIN YOUR CODE task 2: one query tile against one key tile
   // TODO(lesson 03, task 2): the scores of each row against the tile's keys, then its (m, l, O) update.

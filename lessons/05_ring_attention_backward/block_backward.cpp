@@ -54,18 +54,19 @@ using kernels::pack_transposed;
 using kernels::splat;
 using kernels::store;
 
-/// Rows meet the tile kRowGroup at a time, as in lesson 03's forward: each vector loaded from a
-/// tile serves four multiply-adds (README, "The block backward on the CPU").
-constexpr int64_t kRowGroup = 4;
-constexpr int64_t kTileVecs = 2;  ///< a register tile: kRowGroup rows (or keys) × 2 vectors, 8 sums
+/// A register tile: kRowGroup rows (or keys, kernels::row_group) × 2 vectors. Rows meet the tile
+/// a group at a time, as in lesson 03's forward: each vector loaded from a tile serves every row
+/// of the group (README, "The block backward on the CPU").
+constexpr int64_t kTileVecs = 2;
 
 /// out[i][jj] = a_i · b_jj for `rows` rows of a ([rows][dp], zero rows after them up to a
 /// multiple of kRowGroup) and the kBc rows of a tile b packed transposed (bt: [dp][kBc]): the
-/// scores S = Q Kᵀ and dP = dO Vᵀ of a tile pair, with lesson 03's register tile (four rows ×
-/// 2W keys in 8 accumulators over the head dim). out has room for kBr rows.
+/// scores S = Q Kᵀ and dP = dO Vᵀ of a tile pair, with lesson 03's register tile (kRowGroup rows
+/// × 2W keys in accumulators over the head dim). out has room for kBr rows.
 template <int W>
 CP_SIMD_INLINE void tile_products(const float* a, int64_t rows, const float* bt, int64_t dp, float* out) {
   using V = fvec<W>;
+  constexpr int64_t kRowGroup = kernels::row_group(W);
   constexpr int64_t kKeyVecs = kBc / W;
   static_assert(kBr % kRowGroup == 0 && kKeyVecs % kTileVecs == 0, "groups and register tiles must fit");
   for (int64_t r0 = 0; r0 < rows; r0 += kRowGroup) {
@@ -76,12 +77,12 @@ CP_SIMD_INLINE void tile_products(const float* a, int64_t rows, const float* bt,
         V b_d[kTileVecs];
 #pragma GCC unroll 2
         for (int64_t c = 0; c < kTileVecs; ++c) b_d[c] = load<V>(bt + d * kBc + (c0 + c) * W);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int64_t r = 0; r < kRowGroup; ++r)
 #pragma GCC unroll 2
           for (int64_t c = 0; c < kTileVecs; ++c) acc[r][c] += a_g[r * dp + d] * b_d[c];
       }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int64_t r = 0; r < kRowGroup; ++r)
 #pragma GCC unroll 2
         for (int64_t c = 0; c < kTileVecs; ++c) store(out + (r0 + r) * kBc + (c0 + c) * W, acc[r][c]);
@@ -93,15 +94,16 @@ CP_SIMD_INLINE void tile_products(const float* a, int64_t rows, const float* bt,
 /// delta: [rows]) against the kBc keys of a key tile (k, dk, dv: [kBc][dp]). s and dpt
 /// ([kBr][kBc]) hold q_i · k_j and dout_i · v_j. hidden ([rows][kBc], 1 = hidden) is null when
 /// every pair is visible; else it marks the pairs to skip: the mask, rows with lse = -inf,
-/// keys past the last. Adds into dq, dk, dv (dq has room for the rows of the last group of
-/// four, which get nothing). W: floats per SIMD register (TilePair).
+/// keys past the last. Adds into dq, dk, dv (dq has room for the rows of the last group,
+/// which get nothing). W: floats per SIMD register (TilePair).
 template <int W>
 CP_SIMD_INLINE void backward_tile(const float* s, const float* dpt, const uint8_t* hidden, const float* q,
                                   const float* dout, const float* k, const float* lse, const float* delta,
                                   int64_t rows, float scale, int64_t dp, float* dq, float* dk, float* dv) {
   using V = fvec<W>;                     // W floats: 4, 8 or 16 (kernels/cpu_simd.h)
+  constexpr int64_t kRowGroup = kernels::row_group(W);  // rows (or keys) per group: 4, or 8 at AVX-512
   constexpr int64_t kKeyVecs = kBc / W;  // a row's kBc values: 8, 4 or 2 vectors
-  static_assert(kDimAlign % (kTileVecs * W) == 0, "register tiles must fit the padded head dim");
+  static_assert(kBr % kRowGroup == 0 && kBc % kRowGroup == 0 && kDimAlign % (kTileVecs * W) == 0, "register tiles must fit the padded head dim");
   // BEGIN YOUR CODE task 1: the gradients of one tile pair
   // TODO(lesson 05, task 1): P and dS of the tile, then dv += Pᵀ·dout, dk += dSᵀ·q, dq += dS·k.
   // README, "Task 1 — the block backward on the CPU (`block_backward.cpp`)".

@@ -30,13 +30,14 @@ namespace {
 // kBc = 32 keys, and the queries into tiles of kBr = 32 rows; each query tile meets each key tile
 // in attend_tile (task 2), which keeps the (m, l, O) state of its rows. On a GPU a tile lives in
 // shared memory and a row's numbers in registers; here the key tile (8 KiB of K and 8 KiB of V at
-// D = 64) stays in the L1 cache while the kBr rows reuse it, four rows at a time, and the scores
-// of those four rows against 2W keys stay in 8 SIMD registers while the loop over the head dim
-// runs. Each of the tile's three steps (scores, softmax, O += P V) runs over all the rows before
-// the next, so that K and then V are read from L1. The key tiles come kKeyTilesPerPass at a time
-// (a pass), which every query tile meets in turn while it stays in the L2 cache (README, "The CPU
-// path"). The scores are kept in base 2, s · log2 e, as FlashAttention-2 keeps them: each p is
-// then one exp2_nonpos, cheaper than exp_nonpos, and lse = ln 2 · (m + log2 l).
+// D = 64) stays in the L1 cache while the kBr rows reuse it, a group of rows at a time (four;
+// eight with AVX-512), and the scores of a group against 2W keys stay in SIMD registers while the
+// loop over the head dim runs. Each of the tile's three steps (scores, softmax, O += P V) runs
+// over all the rows before the next, so that K and then V are read from L1. The key tiles come
+// kKeyTilesPerPass at a time (a pass), which every query tile meets in turn while it stays in the
+// L2 cache (README, "The CPU path"). The scores are kept in base 2, s · log2 e, as
+// FlashAttention-2 keeps them: each p is then one exp2_nonpos, cheaper than exp_nonpos, and
+// lse = ln 2 · (m + log2 l).
 
 using kernels::bits;
 using kernels::exp2_nonpos;
@@ -80,10 +81,6 @@ struct RowState {
   kernels::TileFloats o;
 };
 
-/// Query rows meet a key tile kRowGroup at a time (README, "The CPU path"): each K and V vector
-/// loaded serves the group's four rows, and the rows' scalar steps (m, α, l) are one vector.
-constexpr int64_t kRowGroup = 4;
-
 /// log2 e and ln 2: scores in base 2 (x log2 e), and back (lse = ln 2 · (m + log2 l)).
 constexpr float kLog2e = 1.44269504088896341f;
 constexpr float kLn2 = 0.693147180559945309f;
@@ -98,11 +95,12 @@ template <int W>
 CP_SIMD_INLINE void attend_tile(const float* q, int64_t rows, const float* kt, const float* v, int64_t n,
                                 const int64_t* first, const int64_t* last, const int64_t* k_pos, bool masked,
                                 float scale, int64_t dp, RowState& state) {
+  constexpr int64_t kRowGroup = kernels::row_group(W);  // rows per group: 4, or 8 with AVX-512's 32 registers
   using V = fvec<W>;                     // W floats: 4, 8 or 16 (kernels/cpu_simd.h)
   using G = fvec<kRowGroup>;             // one float per row of a group
   using U = typename UintVec<W>::type;   // W lanes of bits
   constexpr int64_t kKeyVecs = kBc / W;  // a row's kBc scores: 8, 4 or 2 vectors
-  constexpr int64_t kTileVecs = 2;       // a register tile: kRowGroup rows × 2 vectors (8 sums)
+  constexpr int64_t kTileVecs = 2;       // a register tile: kRowGroup rows × 2 vectors
   static_assert(kBr % kRowGroup == 0 && kDimAlign % (kTileVecs * W) == 0, "groups and register tiles must fit");
   // BEGIN SOLUTION task 2: one query tile against one key tile
   // STUB: // TODO(lesson 03, task 2): the scores of each row against the tile's keys, then its (m, l, O) update.
@@ -118,8 +116,8 @@ CP_SIMD_INLINE void attend_tile(const float* q, int64_t rows, const float* kt, c
   alignas(64) float s[kBr][kBc], p[kBr][kBc];
   alignas(64) float alpha[kBr];
   bool any_minus_inf[kBr / kRowGroup];  // per group: some score is -inf
-  // 1. Scores, kTileVecs · W keys at a time: each K vector, loaded once, meets a group's four
-  //    rows; the 8 sums stay in registers over the head dim.
+  // 1. Scores, kTileVecs · W keys at a time: each K vector, loaded once, meets every row of a
+  //    group; the group's sums stay in registers over the head dim.
   for (int64_t r0 = 0; r0 < rows; r0 += kRowGroup) {
     const float* q_g = q + r0 * dp;
     for (int64_t c0 = 0; c0 < kKeyVecs; c0 += kTileVecs) {
@@ -128,12 +126,12 @@ CP_SIMD_INLINE void attend_tile(const float* q, int64_t rows, const float* kt, c
         V k_d[kTileVecs];
 #pragma GCC unroll 2
         for (int64_t c = 0; c < kTileVecs; ++c) k_d[c] = load<V>(kt + d * kBc + (c0 + c) * W);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int64_t r = 0; r < kRowGroup; ++r)
 #pragma GCC unroll 2
           for (int64_t c = 0; c < kTileVecs; ++c) acc[r][c] += q_g[r * dp + d] * k_d[c];  // the bare scalar: splat in cpu_simd.h
       }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int64_t r = 0; r < kRowGroup; ++r)
 #pragma GCC unroll 2
         for (int64_t c = 0; c < kTileVecs; ++c) store(s[r0 + r] + (c0 + c) * W, acc[r][c] * splat<V>(scale_log2e));
@@ -151,9 +149,9 @@ CP_SIMD_INLINE void attend_tile(const float* q, int64_t rows, const float* kt, c
         for (int64_t jj = 0; jj < kBc; ++jj)
           if (r >= live || jj >= n || (masked && (k_pos[jj] < first[r0 + r] || k_pos[jj] > last[r0 + r])))
             s[r0 + r][jj] = -INFINITY;
-    alignas(16) float tile_max[kRowGroup];
+    alignas(32) float tile_max[kRowGroup];
     U minus_inf = {};  // all bits set in the lanes that held a -inf score
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int64_t r = 0; r < kRowGroup; ++r) {
       V row_max = load<V>(s[r0 + r]);
 #pragma GCC unroll 8
@@ -167,18 +165,18 @@ CP_SIMD_INLINE void attend_tile(const float* q, int64_t rows, const float* kt, c
     bool group_minus_inf = false;
     for (int k = 0; k < W; ++k) group_minus_inf |= minus_inf[k] != 0;
     any_minus_inf[r0 / kRowGroup] = group_minus_inf;
-    // The four rows' update as vectors of one float per row: m_new, one exp2 for the four alpha
+    // The group's update as vectors of one float per row: m_new, one exp2 for all the alpha
     // (1 where m is unchanged, -inf included; 0 on a row's first visible tile), then
     // p = 2^(s - m_new) in vectors, and l = alpha l + sum p. A row with no visible key yet
     // subtracts 0, not -inf (2^(-inf - -inf) would be NaN): its p are 2^-inf = 0.
     const G m_old = load<G>(state.m + r0);
     const G m_new = max_keep_nan(load<G>(tile_max), m_old);
     const G alpha_g = exp2_nonpos(m_new == m_old ? G{} : m_old - m_new);
-    alignas(16) float m_sub[kRowGroup], p_sum[kRowGroup];
+    alignas(32) float m_sub[kRowGroup], p_sum[kRowGroup];
     store(alpha + r0, alpha_g);
     store(m_sub, m_new == -INFINITY ? G{} : m_new);
     store(state.m + r0, m_new);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int64_t r = 0; r < kRowGroup; ++r) {
       V sum = {};
 #pragma GCC unroll 8
@@ -191,16 +189,16 @@ CP_SIMD_INLINE void attend_tile(const float* q, int64_t rows, const float* kt, c
     }
     store(state.l + r0, load<G>(state.l + r0) * alpha_g + load<G>(p_sum));
   }
-  // 3. O = alpha O + P V, kTileVecs · W dims at a time: each V vector, loaded once, meets a
-  //    group's four rows. A key with s = -inf (hidden) is left out, not multiplied by p = 0: its v
-  //    may be NaN. A visible key counts at p = 0. The test costs a branch per row and key, so it
+  // 3. O = alpha O + P V, kTileVecs · W dims at a time: each V vector, loaded once, meets
+  //    every row of a group. A key with s = -inf (hidden) is left out, not multiplied by p = 0: its
+  //    v may be NaN. A visible key counts at p = 0. The test costs a branch per row and key, so it
   //    is compiled only into the copy that groups with a -inf score run.
   for (int64_t r0 = 0; r0 < rows; r0 += kRowGroup) {
     float* o_g = state.o.data() + r0 * dp;
     auto accumulate = [&](auto leave_out_minus_inf) CP_SIMD_LAMBDA {
       for (int64_t d0 = 0; d0 < dp; d0 += kTileVecs * W) {
         V acc[kRowGroup][kTileVecs];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int64_t r = 0; r < kRowGroup; ++r)
 #pragma GCC unroll 2
           for (int64_t c = 0; c < kTileVecs; ++c)
@@ -209,14 +207,14 @@ CP_SIMD_INLINE void attend_tile(const float* q, int64_t rows, const float* kt, c
           V v_j[kTileVecs];
 #pragma GCC unroll 2
           for (int64_t c = 0; c < kTileVecs; ++c) v_j[c] = load<V>(v + jj * dp + d0 + c * W);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
           for (int64_t r = 0; r < kRowGroup; ++r) {
             if (decltype(leave_out_minus_inf)::value && s[r0 + r][jj] == -INFINITY) continue;
 #pragma GCC unroll 2
             for (int64_t c = 0; c < kTileVecs; ++c) acc[r][c] += p[r0 + r][jj] * v_j[c];
           }
         }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int64_t r = 0; r < kRowGroup; ++r)
 #pragma GCC unroll 2
           for (int64_t c = 0; c < kTileVecs; ++c) store(o_g + r * dp + d0 + c * W, acc[r][c]);
