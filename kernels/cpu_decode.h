@@ -64,10 +64,17 @@ CP_SIMD_INLINE void decode_attend(const float* q, int64_t group, const float* k,
     // 2. Each head's online update over the block: the block maximum, one rescale, p = e^(s − m).
     for (int64_t h = 0; h < group; ++h) {
       float* s_h = s + h * kDecodeBlock;
-      V block_max = splat<V>(-INFINITY);
+      // A NaN score wins the maximum: the plain maximum and the NaN seen are kept apart, each a
+      // select on one comparison (max_keep_nan, which joins two, is compiled lane by lane at
+      // W = 16), and added at the end: nan_seen's lanes are 0 or NaN.
+      V block_max = splat<V>(-INFINITY), nan_seen = {};
 #pragma GCC unroll 8
-      for (int64_t c = 0; c < kScoreVecs; ++c) block_max = max_keep_nan(load<V>(s_h + c * W), block_max);
-      const float m_block = max_lane(block_max);
+      for (int64_t c = 0; c < kScoreVecs; ++c) {
+        const V s_c = load<V>(s_h + c * W);
+        block_max = s_c > block_max ? s_c : block_max;
+        nan_seen = s_c != s_c ? s_c : nan_seen;
+      }
+      const float m_block = max_lane_fast(block_max) + sum_lanes(nan_seen);
       if (m_block == -INFINITY) {  // every visible score -inf: p = 0 for the whole block
         for (int64_t jj = 0; jj < kDecodeBlock; ++jj) s_h[jj] = 0.0f;
         continue;

@@ -87,6 +87,9 @@ CP_SIMD_INLINE To bits(From from) {
 }
 
 /// The larger of a and b, lane by lane, where a NaN in either wins (std::max and maxps drop it).
+/// At W = 16 GCC 12 and 14 compile it lane by lane, one scalar comparison each (two comparisons
+/// joined in one select; a select on one comparison, `a > b ? a : b`, stays one vector
+/// instruction): keep it out of loops over every score (lesson 03 takes it once per row group).
 template <typename V>
 CP_SIMD_INLINE V max_keep_nan(V a, V b) {
   return (a > b || a != a) ? a : b;

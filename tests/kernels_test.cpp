@@ -3,7 +3,9 @@
 //   (tests/kernels/mma_probe.cu) on a GPU or on CUDA on the CPU. Each fragment must hold the
 //   elements the map names, and mma must equal a float64 matrix product of the same 16-bit inputs;
 // - the vector exponential of kernels/cpu_simd.h, which lessons 01, 03, 05 and the decode kernel
-//   share, at every SIMD level this CPU has.
+//   share, at every SIMD level this CPU has;
+// - the decode kernel of kernels/cpu_decode.h (lesson 15) where its block maximum decides alone:
+//   a NaN score among hidden ones.
 #include <torch/types.h>
 
 #include <cmath>
@@ -13,6 +15,7 @@
 #include <vector>
 
 #include "common/tensor_checks.h"
+#include "kernels/cpu_decode.h"
 #include "kernels/cpu_simd.h"
 #include "kernels/mma_map.h"
 #include "testing/device_buffer.h"
@@ -195,6 +198,29 @@ CP_TEST(KernelsCpuSimd, Exp2NonposWithinOneUlpAndItsRulesAtEverySimdLevel) {
     const std::vector<float> e_low = exp_nonpos_of<true>(low);
     for (size_t i = 0; i < low.size(); ++i)
       ASSERT_TRUE(e_low[i] >= 0.0f && e_low[i] < 1.2e-38f) << "exp2_nonpos(" << low[i] << ") = " << e_low[i] << at;
+  });
+}
+
+CP_TEST(KernelsCpuDecode, NanScoreAmongMinusInfScoresWinsTheBlockAtEverySimdLevel) {
+  // One block of 32 keys, every score -inf but key 5's, which is NaN. A NaN score wins the
+  // maximum (lesson 03's rule): out and lse are NaN. A maximum that drops the NaN is -inf, and
+  // the block is taken for one with no visible key (out 0, lse -inf). Lesson 15's tests cannot
+  // tell the two apart: there a NaN score always meets finite ones, and its p = NaN reaches the
+  // result either way.
+  constexpr int64_t d = 16, n = kernels::kDecodeBlock;
+  std::vector<float> q(d, 0.0f), k(n * d, 0.0f), v(n * d, 1.0f), work(d + kernels::kDecodeBlock + 2);
+  std::vector<int64_t> k_pos(n);
+  q[0] = 1.0f;
+  for (int64_t j = 0; j < n; ++j) {
+    k_pos[j] = j;
+    k[j * d] = j == 5 ? NAN : -INFINITY;  // score q · k_j: NaN for key 5, -inf for the others
+  }
+  testing::for_each_simd_level([&](const std::string& at) {
+    std::vector<float> out(d, 0.0f), lse(1, 0.0f);
+    kernels::simd_call<kernels::DecodeAttend>(q.data(), int64_t{1}, k.data(), v.data(), k_pos.data(), n,
+                                              int64_t{n}, d, 1.0f, out.data(), lse.data(), work.data());
+    EXPECT_TRUE(std::isnan(lse[0])) << "lse = " << lse[0] << at << ", expected NaN";
+    for (int64_t i = 0; i < d; ++i) ASSERT_TRUE(std::isnan(out[i])) << "out[" << i << "] = " << out[i] << at;
   });
 }
 

@@ -41,7 +41,6 @@ namespace {
 // FlashAttention-2 keeps them: each p is then one exp2_nonpos, cheaper than exp_nonpos, and
 // lse = ln 2 · (m + log2 l).
 
-using kernels::bits;
 using kernels::exp2_nonpos;
 using kernels::fvec;
 using kernels::kBc;
@@ -53,7 +52,6 @@ using kernels::max_keep_nan;
 using kernels::max_lane_fast;
 using kernels::splat;
 using kernels::store;
-using kernels::UintVec;
 using kernels::sum_lanes;
 
 /// One (batch, kv head)'s keys and values, float32, in tiles of kBc keys (the last one padded
@@ -100,7 +98,6 @@ CP_SIMD_INLINE void attend_tile(const float* q, int64_t rows, const float* kt, c
   constexpr int64_t kRowGroup = kernels::row_group(W);  // rows per group: 4, or 8 with AVX-512's 32 registers
   using V = fvec<W>;                     // W floats: 4, 8 or 16 (kernels/cpu_simd.h)
   using G = fvec<kRowGroup>;             // one float per row of a group
-  using U = typename UintVec<W>::type;   // W lanes of bits
   constexpr int64_t kKeyVecs = kBc / W;  // a row's kBc scores: 8, 4 or 2 vectors
   constexpr int64_t kTileVecs = 2;       // a register tile: kRowGroup rows × 2 vectors
   static_assert(kBr % kRowGroup == 0 && kDimAlign % (kTileVecs * W) == 0, "groups and register tiles must fit");

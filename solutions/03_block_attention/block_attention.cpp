@@ -39,7 +39,6 @@ namespace {
 // FlashAttention-2 keeps them: each p is then one exp2_nonpos, cheaper than exp_nonpos, and
 // lse = ln 2 · (m + log2 l).
 
-using kernels::bits;
 using kernels::exp2_nonpos;
 using kernels::fvec;
 using kernels::kBc;
@@ -51,7 +50,6 @@ using kernels::max_keep_nan;
 using kernels::max_lane_fast;
 using kernels::splat;
 using kernels::store;
-using kernels::UintVec;
 using kernels::sum_lanes;
 
 /// One (batch, kv head)'s keys and values, float32, in tiles of kBc keys (the last one padded
@@ -98,7 +96,6 @@ CP_SIMD_INLINE void attend_tile(const float* q, int64_t rows, const float* kt, c
   constexpr int64_t kRowGroup = kernels::row_group(W);  // rows per group: 4, or 8 with AVX-512's 32 registers
   using V = fvec<W>;                     // W floats: 4, 8 or 16 (kernels/cpu_simd.h)
   using G = fvec<kRowGroup>;             // one float per row of a group
-  using U = typename UintVec<W>::type;   // W lanes of bits
   constexpr int64_t kKeyVecs = kBc / W;  // a row's kBc scores: 8, 4 or 2 vectors
   constexpr int64_t kTileVecs = 2;       // a register tile: kRowGroup rows × 2 vectors
   static_assert(kBr % kRowGroup == 0 && kDimAlign % (kTileVecs * W) == 0, "groups and register tiles must fit");
@@ -141,7 +138,9 @@ CP_SIMD_INLINE void attend_tile(const float* q, int64_t rows, const float* kt, c
   //    the row's range (masked), and every key of a row past the tile's last (it must stay
   //    inert). Then each row's tile maximum, and whether any score is -inf: those keys are left
   //    out of O += P V below. A NaN score needs no care in the maximum: no row is skipped, so its
-  //    p = NaN reaches l and O.
+  //    p = NaN reaches l and O. The -inf test keeps the group's smallest score with a select, as
+  //    the maximum does: GCC 14 compiled the bits of `s_c == -INFINITY`, ORed over the group, into
+  //    one scalar comparison per lane at AVX-512, and the forward ran 1.4 times slower.
   for (int64_t r0 = 0; r0 < rows; r0 += kRowGroup) {
     const int64_t live = std::min(kRowGroup, rows - r0);  // rows of the group that exist
     if (masked || n < kBc || live < kRowGroup)
@@ -150,7 +149,7 @@ CP_SIMD_INLINE void attend_tile(const float* q, int64_t rows, const float* kt, c
           if (r >= live || jj >= n || (masked && (k_pos[jj] < first[r0 + r] || k_pos[jj] > last[r0 + r])))
             s[r0 + r][jj] = -INFINITY;
     alignas(32) float tile_max[kRowGroup];
-    U minus_inf = {};  // all bits set in the lanes that held a -inf score
+    V lowest = splat<V>(INFINITY);  // the group's smallest score, lane by lane (a NaN is passed over)
 #pragma GCC unroll 8
     for (int64_t r = 0; r < kRowGroup; ++r) {
       V row_max = load<V>(s[r0 + r]);
@@ -158,13 +157,11 @@ CP_SIMD_INLINE void attend_tile(const float* q, int64_t rows, const float* kt, c
       for (int64_t c = 0; c < kKeyVecs; ++c) {
         const V s_c = load<V>(s[r0 + r] + c * W);
         row_max = s_c > row_max ? s_c : row_max;  // a plain max: a NaN score reaches l and O through its p
-        minus_inf |= bits<U>(s_c == -INFINITY);
+        lowest = s_c < lowest ? s_c : lowest;
       }
       tile_max[r] = max_lane_fast(row_max);
     }
-    bool group_minus_inf = false;
-    for (int k = 0; k < W; ++k) group_minus_inf |= minus_inf[k] != 0;
-    any_minus_inf[r0 / kRowGroup] = group_minus_inf;
+    any_minus_inf[r0 / kRowGroup] = max_lane_fast(V{} - lowest) == INFINITY;  // some lane of lowest is -inf
     // The group's update as vectors of one float per row: m_new, one exp2 for all the alpha
     // (1 where m is unchanged, -inf included; 0 on a row's first visible tile), then
     // p = 2^(s - m_new) in vectors, and l = alpha l + sum p. A row with no visible key yet
