@@ -102,7 +102,8 @@ CP_SIMD_INLINE void backward_tile(const float* s, const float* dpt, const uint8_
   using V = fvec<W>;                     // W floats: 4, 8 or 16 (kernels/cpu_simd.h)
   constexpr int64_t kRowGroup = kernels::row_group(W);  // rows (or keys) per group: 4, or 8 at AVX-512
   constexpr int64_t kKeyVecs = kBc / W;  // a row's kBc values: 8, 4 or 2 vectors
-  static_assert(kBr % kRowGroup == 0 && kBc % kRowGroup == 0 && kDimAlign % (kTileVecs * W) == 0, "register tiles must fit the padded head dim");
+  static_assert(kBr % kRowGroup == 0 && kBc % kRowGroup == 0 && kDimAlign % (kTileVecs * W) == 0,
+                "groups must fit a tile's rows and keys, and register tiles the padded head dim");
   // BEGIN SOLUTION task 1: the gradients of one tile pair
   // STUB: // TODO(lesson 05, task 1): P and dS of the tile, then dv += Pᵀ·dout, dk += dSᵀ·q, dq += dS·k.
   // STUB: // README, "Task 1 — the block backward on the CPU (`block_backward.cpp`)".
