@@ -213,6 +213,18 @@ function(course_add_lesson nn slug)
     add_executable(${lib}_test ${PROJECT_SOURCE_DIR}/tests/${folder}_test.cpp)
     target_link_libraries(${lib}_test PRIVATE ${lib} cp_testing)
     course_reuse_pch(${lib}_test cp_testing)
+    # Probe kernels of the tests (tests/NN_slug_probes.cu), compiled against this variant's sources
+    # so that a test can run one task's device function on its own.
+    set(probes ${PROJECT_SOURCE_DIR}/tests/${folder}_probes.cu)
+    if(CP_WITH_CUDA AND EXISTS ${probes})
+      add_library(${lib}_test_probes OBJECT ${probes})
+      target_include_directories(${lib}_test_probes PRIVATE ${include_dirs} ${PROJECT_SOURCE_DIR}
+                                 ${PROJECT_SOURCE_DIR}/tests)
+      target_link_libraries(${lib}_test_probes PRIVATE cp_cuda_runtime)
+      target_compile_definitions(${lib}_test_probes PRIVATE CP_WITH_CUDA=1)
+      target_sources(${lib}_test PRIVATE $<TARGET_OBJECTS:${lib}_test_probes>)
+      course_nvcc_check("${probes}" "${include_dirs};${PROJECT_SOURCE_DIR}/tests" ${variant}/${folder})
+    endif()
     if(cu_sources)
       set(kernels KERNELS)
     else()

@@ -22,6 +22,11 @@ void Trace::set_phase(int rank, const std::string& phase) {
   phases_[rank] = phase;
 }
 
+std::vector<Trace::Span> Trace::spans() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return spans_;
+}
+
 void Trace::write(const std::string& path) const {
   std::lock_guard<std::mutex> lock(mutex_);
   // In order of start, the longer first at equal starts: an enclosing span before what it holds.

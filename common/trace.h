@@ -26,12 +26,16 @@ class Trace {
   /// process per rank, one thread per lane).
   void write(const std::string& path) const;
 
- private:
+  /// One recorded span; start from the trace's origin.
   struct Span {
     int rank;
     std::string lane, name, phase;
-    int64_t start_ns, duration_ns;  // start from the trace's origin
+    int64_t start_ns, duration_ns;
   };
+  /// The spans recorded so far, in the order they ended (for tests that compare their times).
+  std::vector<Span> spans() const;
+
+ private:
   mutable std::mutex mutex_;
   std::vector<Span> spans_;
   std::map<int, std::string> phases_;  // rank -> phase of its next spans

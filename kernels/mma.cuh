@@ -34,9 +34,10 @@
 #define CP_MMA_PTX 0  // the shuffle emulation (CUDA on the CPU, GPUs before sm_80, host passes)
 #endif
 
-// Loops around fragments: unrolled for the real instructions (registers are indexed by constants
-// only when the loop is unrolled). Not for the emulation: each shuffle there is a barrier, and
-// PoCL compiles a kernel in pieces between barriers, so unrolled shuffles make the kernel's
+// Loops around fragments: unrolled for the real instructions. Registers cannot be indexed at run
+// time, so a fragment array indexed by the variable of a loop left rolled goes to local memory:
+// still correct, and slow. Not for the emulation: each shuffle there is a barrier, and PoCL
+// compiles a kernel in pieces between barriers, so unrolled shuffles make the kernel's
 // compilation minutes longer and its code far bigger, for nothing on a CPU.
 #if CP_MMA_PTX
 #define CP_FRAGMENT_LOOP _Pragma("unroll")
@@ -101,9 +102,9 @@ __device__ __forceinline__ uint32_t load_pair(const uint16_t* p) { return p[0] |
 #endif
 
 /// ldmatrix .x4: four 8×8 matrices of 16-bit elements from shared memory. Lane i passes the
-/// address of row i % 8 of matrix i / 8 (8 consecutive elements, 16-byte aligned); register m of
-/// lane (g, t) receives row g, columns 2t and 2t+1 of matrix m. For A, a 16×16 tile at `tile`
-/// (row stride `ld` elements): lane i passes tile + (i % 16) · ld + 8 · (i / 16).
+/// address of row i % 8 of matrix i / 8 (8 consecutive elements, 16-byte aligned; the rows of a
+/// matrix may lie anywhere); register m of lane (g, t) receives row g, columns 2t and 2t+1 of
+/// matrix m: two neighbours along a stored row, as an A register holds two neighbours in k.
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
 #if CP_MMA_PTX
   const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
@@ -117,7 +118,10 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
 #endif
 }
 
-/// ldmatrix .x2: two 8×8 matrices (lanes 0–15 pass the row addresses; the others' are unused).
+/// ldmatrix .x2: like .x4, with two 8×8 matrices: only lanes 0–15 pass row addresses (lane i,
+/// row i % 8 of matrix i / 8), the other lanes' are ignored, and every lane receives its two
+/// registers. A B register holds two neighbours in k: this fills B from stored rows that are B's
+/// columns.
 __device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], const void* row) {
 #if CP_MMA_PTX
   const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
@@ -129,9 +133,9 @@ __device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], const void* row) {
 #endif
 }
 
-/// ldmatrix .x2.trans: the same two matrices transposed: register m of lane (g, t) receives
-/// rows 2t and 2t+1, column g of matrix m. B from a row-major [k][n] tile (V: keys × dims) at
-/// `tile`: lane i (< 16) passes tile + i · ld + n0.
+/// ldmatrix .x2.trans: the same addresses as .x2, the two matrices transposed: register m of
+/// lane (g, t) receives rows 2t and 2t+1, column g of matrix m, two neighbours down a stored
+/// column. This fills B from stored rows that are B's rows (a row-major [k][n] tile).
 __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&r)[2], const void* row) {
 #if CP_MMA_PTX
   const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
@@ -150,7 +154,9 @@ __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&r)[2], const void* 
 }
 
 /// D = A·B + D (m16n8k16, float32 accumulators), T = __half or __nv_bfloat16. Every lane of the
-/// warp must call it with its own fragments (rule 1 of kernels/README.md).
+/// warp must call it with its own fragments (rule 1 of kernels/README.md). `.row.col` in the
+/// instruction's name: A is row-major (k runs along a row of A) and B column-major (k runs down a
+/// column of B), so each 32-bit register of A or B holds two elements that are neighbours in k.
 template <typename T>
 __device__ __forceinline__ void mma(FragC& d, const FragA& a, const FragB& b) {
 #if CP_MMA_PTX

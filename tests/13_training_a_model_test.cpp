@@ -432,6 +432,23 @@ CP_TEST(Lesson13, Task5_SigmoidMergeIsTheMerge) {
   }
 }
 
+CP_TEST(Lesson13, Task5_EqualPartialsMergeToTheirOwnBits) {
+  // Two partial results that agree on out (lse apart by anything, an empty side included): their
+  // average is that out, and the sigmoid form keeps it to the bit, since it only adds
+  // s · (out_a − out_b) = 0 to out_a. The weighted sum of the exp form rounds its two products
+  // and its division, and misses by an ulp in many elements.
+  const torch::Tensor out = testing::random_with_outliers({2, 8, 16}, 144);
+  torch::Tensor lse_a = testing::random_with_outliers({2, 8}, 145), lse_b = testing::random_with_outliers({2, 8}, 146);
+  lse_b.select(1, 0).fill_(-INFINITY);
+  lse_a.select(1, 1).add_(100);
+  torch::Tensor merged = out.clone(), lse = lse_a.clone();
+  merge_attention_sigmoid(merged, lse, out, lse_b);
+  const int64_t differ = merged.ne(out).sum().item<int64_t>();
+  EXPECT_EQ(differ, 0) << differ << " of " << out.numel() << " elements of out changed when both sides held the same "
+                       << "out: out_a − s·(out_a − out_b) leaves them as they are (is this the exp form's weighted "
+                       << "sum?)";
+}
+
 PrecisionErrors errors_of(const std::vector<PrecisionResult>& results, Accumulator accumulator, MergeForm form) {
   for (const PrecisionResult& r : results)
     if (r.accumulator == accumulator && r.form == form) return r.errors;

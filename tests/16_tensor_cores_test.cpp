@@ -18,6 +18,8 @@
 #include "testing/oracle.h"
 
 #if CP_WITH_CUDA
+#include "16_tensor_cores_probes.cuh"
+#include "kernels/mma_map.h"
 #include "tensor_core_attention.cuh"
 #endif
 
@@ -68,11 +70,10 @@ AttnResult run_kernel(const Inputs& in, const OracleMask& mask, double scale) {
   return {out.to_host(stream.get()), lse.to_host(stream.get())};
 }
 
-void check_kernel(const Case& c, OracleMask mask, torch::ScalarType dtype, uint64_t seed, const std::string& what) {
+void check_kernel_on(const Case& c, const Inputs& in, OracleMask mask, torch::ScalarType dtype, double scale,
+                     const std::string& what) {
   if (!mask.q_pos.defined()) mask.q_pos = torch::arange(c.seq_q);
   if (!mask.k_pos.defined()) mask.k_pos = torch::arange(c.seq_k);
-  const Inputs in = random_inputs(c, dtype, seed);
-  const double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
   const auto [out, lse] = testing::oracle_attention(in.q.to(torch::kDouble), in.k.to(torch::kDouble),
                                                     in.v.to(torch::kDouble), mask, scale);
   const AttnResult got = run_kernel(in, mask, scale);
@@ -83,6 +84,143 @@ void check_kernel(const Case& c, OracleMask mask, torch::ScalarType dtype, uint6
   CP_EXPECT_CLOSE(got.out, out, "out, " + name, kDims, matrix_unit_tolerance(in.v));
   CP_EXPECT_CLOSE(got.lse, lse, "lse, " + name, {"b", "h", "s"});
 }
+
+void check_kernel(const Case& c, const OracleMask& mask, torch::ScalarType dtype, uint64_t seed, const std::string& what) {
+  check_kernel_on(c, random_inputs(c, dtype, seed), mask, dtype, 1.0 / std::sqrt(static_cast<double>(c.head_dim)), what);
+}
+
+// ── Task 1 and task 2 alone: probe kernels run one step on known tiles ───────────────────────
+
+/// A [rows, cols] matrix of 16-bit values, random with a few outliers, as float64 (exact).
+torch::Tensor random_16bit(int64_t rows, int64_t cols, torch::ScalarType dtype, uint64_t seed) {
+  return testing::random_with_outliers({rows, cols}, seed, 1.0, 8.0).to(dtype).to(torch::kDouble);
+}
+
+CP_TEST(Lesson16Kernels, Task1_QFragmentsAndScoresHoldWhatTheMapSays) {
+  CP_REQUIRE_CUDA_RUNTIME();
+  for (const auto& [dtype, d] : {std::pair{torch::kHalf, int64_t{64}}, std::pair{torch::kBFloat16, int64_t{128}}}) {
+    const torch::Tensor q = random_16bit(64, d, dtype, 170 + d), k = random_16bit(64, d, dtype, 171 + d);
+    TestStream stream;
+    DeviceBuffer q_dev(q.to(dtype)), k_dev(k.to(dtype));
+    DeviceBuffer frag({4, 32, d / 16, 8}, torch::kFloat), scores({64, 64}, torch::kFloat);
+    testing::launch_lesson16_task1_probe({q_dev.get(), k_dev.get(), frag.as<float>(), scores.as<float>(), d,
+                                          kernel_dtype(q.to(dtype), "q")},
+                                         stream.get());
+    const torch::Tensor got_frag = frag.to_host(stream.get()), got_s = scores.to_host(stream.get());
+    const std::string at = std::string(dtype == torch::kHalf ? "float16" : "bfloat16") + ", D = " + std::to_string(d);
+    // Each element of each lane's A fragments, against the map (reported once per wrong register).
+    int wrong = 0;
+    for (int warp = 0; warp < 4; ++warp)
+      for (int lane = 0; lane < 32; ++lane)
+        for (int64_t kk = 0; kk < d / 16; ++kk)
+          for (int e = 0; e < 8; ++e) {
+            const int64_t row = 16 * warp + kernels::frag_a_row(lane, e), dim = 16 * kk + kernels::frag_a_col(lane, e);
+            const double want = q[row][dim].item<double>(), have = got_frag[warp][lane][kk][e].item<double>();
+            if (want != have && ++wrong <= 3)
+              ADD_FAILURE() << at << ": warp " << warp << ", lane " << lane << ", q_frag[" << kk << "] element " << e
+                            << " holds " << have << ", expected Q[" << row << "][" << dim << "] = " << want
+                            << " (A's map: row frag_a_row(lane, e) of the warp's 16, dim 16·kk + frag_a_col)";
+          }
+    EXPECT_EQ(wrong, 0) << at << ": elements of Q's fragments that are not where A's map puts them";
+    // S = Q·Kᵀ: products of 16-bit values are exact in float32; a sum of D of them in float32 is
+    // within D·u·Σ|q·k| <= D²·u·max|q|·max|k| (u = 2⁻²⁴) of the exact one, in any order.
+    const torch::Tensor s = q.matmul(k.t());
+    const Tolerance tol{static_cast<double>(d * d) * std::ldexp(1.0, -24) * q.abs().max().item<double>() *
+                            k.abs().max().item<double>(),
+                        0};
+    CP_EXPECT_CLOSE(got_s, s, "S = Q·Kᵀ from the fragments, " + at, {"row", "key"}, tol);
+  }
+}
+
+/// The definition of one tile of the online softmax, in float64, row by row.
+struct SoftmaxStep {
+  torch::Tensor p, m, l, o;
+};
+SoftmaxStep reference_softmax_tile(const torch::Tensor& s, const torch::Tensor& kpos, int n, const torch::Tensor& first,
+                                   const torch::Tensor& last, double scale, const torch::Tensor& m_in,
+                                   const torch::Tensor& l_in, const torch::Tensor& o_in) {
+  SoftmaxStep r{torch::zeros_like(s), m_in.clone(), l_in.clone(), o_in.clone()};
+  for (int64_t row = 0; row < s.size(0); ++row) {
+    double tile_max = -INFINITY;
+    std::vector<bool> visible(s.size(1));
+    for (int64_t j = 0; j < s.size(1); ++j) {
+      const int64_t pos = kpos[j].item<int64_t>();
+      visible[j] = j < n && first[row].item<int64_t>() <= pos && pos <= last[row].item<int64_t>();
+      if (visible[j]) tile_max = std::max(tile_max, scale * s[row][j].item<double>());
+    }
+    const double m_old = m_in[row].item<double>(), m_new = std::max(m_old, tile_max);
+    const double alpha = m_new == -INFINITY ? 1.0 : std::exp(m_old - m_new);
+    double sum = l_in[row].item<double>() * alpha;
+    for (int64_t j = 0; j < s.size(1); ++j) {
+      const double p = visible[j] ? std::exp(scale * s[row][j].item<double>() - m_new) : 0.0;
+      r.p[row][j] = p;
+      sum += p;
+    }
+    r.m[row] = m_new;
+    r.l[row] = sum;
+    r.o[row] = o_in[row] * alpha;
+  }
+  return r;
+}
+
+CP_TEST(Lesson16Kernels, Task2_OnlineSoftmaxOnFragmentsFollowsTheDefinition) {
+  CP_REQUIRE_CUDA_RUNTIME();
+  // 64 rows of one tile of 64 keys (the last 4 missing: n = 60), a scale that is not 1/√D, and rows
+  // chosen for what N(0, 1) scores never show:
+  //   0–7    scores of −100 to −140 after scaling (a maximum started at 0 leaves every p at 0)
+  //   8–15   scores of +100 to +140 (p = exp(s) without the maximum overflows)
+  //   16–23  a maximum that rises: the state's m lies below this tile's scores (α < 1 on l and o)
+  //   24–31  the state's m above this tile's scores (α = 1, p small)
+  //   32–35  no key visible, nothing seen before (m = −inf: α must not be exp(−inf + inf) = NaN)
+  //   36–39  no key visible, a state from earlier tiles (it must come out unchanged)
+  //   40–63  a causal diagonal: row i sees the keys at positions up to 100 + i
+  const double scale = 0.3;
+  const int n = 60;
+  torch::Tensor s = testing::random_with_outliers({64, 64}, 172, 2.0, 0.0).to(torch::kDouble);
+  s.narrow(0, 0, 8).sub_(100 / scale + 40 / scale * torch::rand({8, 1}, torch::kDouble));
+  s.narrow(0, 8, 8).add_(100 / scale + 40 / scale * torch::rand({8, 1}, torch::kDouble));
+  s = s.to(torch::kFloat).to(torch::kDouble);
+  const torch::Tensor kpos = torch::arange(100, 164, torch::kLong);
+  torch::Tensor first = torch::full({64}, 0, torch::kLong), last = torch::full({64}, 1000, torch::kLong);
+  last.narrow(0, 32, 8).fill_(50);  // before every key of the tile
+  last.narrow(0, 40, 24).copy_(torch::arange(140, 164, torch::kLong));
+  torch::Tensor m_in = torch::full({64}, 1.5, torch::kDouble), l_in = torch::full({64}, 3.0, torch::kDouble);
+  m_in.narrow(0, 0, 16).fill_(-INFINITY), l_in.narrow(0, 0, 16).fill_(0);
+  m_in.narrow(0, 16, 8).fill_(-3.0);
+  m_in.narrow(0, 24, 8).fill_(12.0);
+  m_in.narrow(0, 32, 4).fill_(-INFINITY), l_in.narrow(0, 32, 4).fill_(0);
+  torch::Tensor o_in = testing::random_with_outliers({64, 64}, 173, 1.0, 0.0).to(torch::kDouble);
+  o_in.narrow(0, 0, 16).zero_(), o_in.narrow(0, 32, 4).zero_();
+  const SoftmaxStep want = reference_softmax_tile(s, kpos, n, first, last, scale, m_in, l_in, o_in);
+
+  TestStream stream;
+  DeviceBuffer s_dev(s.to(torch::kFloat)), kpos_dev(kpos), first_dev(first), last_dev(last);
+  DeviceBuffer m_dev(m_in.to(torch::kFloat)), l_dev(l_in.to(torch::kFloat)), o_dev(o_in.to(torch::kFloat));
+  DeviceBuffer p_out({64, 64}, torch::kFloat), m_out({64}, torch::kFloat), l_out({64}, torch::kFloat),
+      o_out({64, 64}, torch::kFloat);
+  testing::launch_lesson16_task2_probe(
+      {s_dev.as<float>(), kpos_dev.as<int64_t>(), n, first_dev.as<int64_t>(), last_dev.as<int64_t>(),
+       static_cast<float>(scale), m_dev.as<float>(), l_dev.as<float>(), o_dev.as<float>(), p_out.as<float>(),
+       m_out.as<float>(), l_out.as<float>(), o_out.as<float>()},
+      stream.get());
+  const torch::Tensor p = p_out.to_host(stream.get()), m = m_out.to_host(stream.get()),
+                      l = l_out.to_host(stream.get()), o = o_out.to_host(stream.get());
+  const std::string note = " (rows 0-7 far below 0, 8-15 far above, 16-23 a rising maximum, 24-31 a maximum "
+                           "from before, 32-39 no key visible, 40-63 a causal diagonal; keys 60-63 missing)";
+  // float32 computes the exponent scale·s − m with an error of up to u·(|scale·s| + |scale·s − m|)
+  // <= 3u·max|scale·s| (u = 2⁻²⁴), which is p's relative error, plus a few ulps of expf; at scores
+  // of 140 that is 2.5e-5, above the float32 default. l adds a sum of 64 terms (64u more), o one
+  // product by α.
+  const double u = std::ldexp(1.0, -24), level = (s * scale).abs().max().item<double>();
+  const Tolerance exp_tol{1e-6, 3 * u * level + 8 * u};
+  CP_EXPECT_CLOSE(p, want.p, "p = exp(scale·s − m_new) in s's fragments" + note, {"row", "key"}, exp_tol);
+  CP_EXPECT_CLOSE(m, want.m, "m, each row's new maximum" + note, {"row"});
+  CP_EXPECT_CLOSE(l, want.l, "l, each row's sum over its quad, rescaled" + note, {"row"},
+                  Tolerance{1e-6, exp_tol.rel + 64 * u});
+  CP_EXPECT_CLOSE(o, want.o, "o, rescaled by α" + note, {"row", "dim"}, exp_tol);
+}
+
+// ── The whole kernel ─────────────────────────────────────────────────────────────────────────
 
 CP_TEST(Lesson16Kernels, Task3_KernelMatchesTheOracleForEveryDtypeHeadDimAndGroup) {
   CP_REQUIRE_CUDA_RUNTIME();
@@ -112,6 +250,31 @@ CP_TEST(Lesson16Kernels, Task3_KernelWindowsAndDocuments) {
   const int64_t s = 150;
   for (const auto& [name, mask] : testing::window_and_document_masks(s))
     for (auto dtype : {torch::kHalf, torch::kBFloat16}) check_kernel({1, 4, 2, s, s, 64}, mask, dtype, 162, name);
+}
+
+CP_TEST(Lesson16Kernels, Task3_KernelRowsFarFromZeroAndMaximaThatRise) {
+  CP_REQUIRE_CUDA_RUNTIME();
+  // Keys share a large first dim, and a query's first dim sets its row's level: rows whose scores
+  // all lie near −100 or below (a maximum started at 0 underflows every p), near +100 (exp without
+  // the maximum overflows), and, through a second dim that grows with the key, rows whose maximum
+  // rises from tile to tile. With a scale of the caller's, not 1/√D.
+  const Case c{1, 2, 1, 80, 200, 64};
+  const double scale = 0.2;
+  for (auto dtype : {torch::kHalf, torch::kBFloat16}) {
+    Inputs in = random_inputs(c, dtype, 166);
+    torch::Tensor q = in.q.to(torch::kFloat), k = in.k.to(torch::kFloat);
+    k.select(3, 0).fill_(8.0);
+    k.select(3, 1).copy_(torch::linspace(-8, 8, c.seq_k).view({1, 1, c.seq_k}));
+    q.select(3, 0).zero_();
+    q.select(3, 1).zero_();
+    q.narrow(2, 0, 16).select(3, 0).fill_(-70.0);     // rows 0-15: scores about −112
+    q.narrow(2, 16, 16).select(3, 0).fill_(70.0);     // rows 16-31: about +112
+    q.narrow(2, 32, 16).select(3, 1).fill_(6.0);      // rows 32-47: rising by 4.8 a tile
+    in.q = q.to(dtype);
+    in.k = k.to(dtype);
+    check_kernel_on(c, in, {false, {}, {}}, dtype, scale, "scores far from 0, rising maxima, scale 0.2");
+    check_kernel_on(c, in, {true, {}, {}}, dtype, scale, "causal, scores far from 0, rising maxima, scale 0.2");
+  }
 }
 
 CP_TEST(Lesson16Kernels, Task3_KernelRejectsFloat32AndOtherHeadDims) {

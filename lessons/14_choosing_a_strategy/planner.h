@@ -118,6 +118,10 @@ std::vector<std::vector<RingBlock>> ring_blocks(TokenLayout layout, int64_t seq,
 /// Milliseconds to move `bytes` over `link` in `messages` messages (each pays the latency).
 double transfer_ms(int64_t bytes, int messages, const Link& link);
 
+/// The forward throughput, in useful TFLOP/s, of a causal call whose diagonal spans `tokens` query
+/// rows (Cluster's rule; given: the planner and lesson 15 use the same one).
+double forward_causal_tflops(const Cluster& cluster, double tokens);
+
 /// One ring step of one pass, as the time model sees it.
 struct StepCost {
   double compute_ms = 0;   ///< the busiest rank's attention and merge at this step

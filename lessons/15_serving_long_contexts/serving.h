@@ -18,6 +18,7 @@
 
 #include "block_attention.h"
 #include "common/comm.h"
+#include "common/trace.h"
 #include "planner.h"
 
 namespace cp {
@@ -46,16 +47,17 @@ void cache_append(KvCacheShard& shard, const torch::Tensor& k, const torch::Tens
 // ── Task 1: where the tokens live ───────────────────────────────────────────────────────────
 
 /// Task 1. The global positions of the new tokens [first, first + count) that rank `rank` of
-/// `world` computes in a prefill, ascending: lesson 07's zig-zag over the new tokens, cut into 2N
-/// parts as even as `count` allows (part i: [first + ⌊i·count/2N⌋, first + ⌊(i+1)·count/2N⌋)),
-/// rank r taking parts r and 2N − 1 − r. Any count >= 0 (a rank may get none). The new tokens'
-/// K/V stay in the cache of the rank that computed them. A cp::Error for first < 0, count < 0,
-/// world < 1 or a rank outside the world.
+/// `world` computes in a prefill, ascending: lesson 07's zig-zag over the new tokens only. The new
+/// tokens are cut, in order, into 2N consecutive parts whose sizes differ by at most one; part i
+/// begins at the token where the mark i/(2N) of the way through them falls (rounded down to a
+/// whole token), and rank r takes parts r and 2N − 1 − r. Any count >= 0 (a rank may get none).
+/// The new tokens' K/V stay in the cache of the rank that computed them. A cp::Error for
+/// first < 0, count < 0, world < 1 or a rank outside the world.
 torch::Tensor prefill_positions(int64_t first, int64_t count, int world, int rank);
 
 /// Task 1. The rank whose cache keeps the token at `position` when it arrives in decode: round
-/// robin, position mod N, so that a growing sequence grows every shard in turn. A cp::Error for a
-/// negative position or world < 1.
+/// robin from rank 0 (position 0 on rank 0, each next position on the next rank), so that a
+/// growing sequence grows every shard in turn. A cp::Error for a negative position or world < 1.
 int decode_owner(int64_t position, int world);
 
 // ── Tasks 2 and 3: the prefill ──────────────────────────────────────────────────────────────
@@ -64,7 +66,7 @@ int decode_owner(int64_t position, int world);
 struct PrefillResult {
   torch::Tensor out;       ///< [1, Hq, t, D], dtype of q: this rank's new queries
   torch::Tensor lse;       ///< [1, Hq, t] float32
-  int64_t bytes_sent = 0;  ///< payload this rank sent (prefill_bytes)
+  int64_t bytes_sent = 0;  ///< payload this rank sent (prefill_bytes; the tests also count it)
 };
 
 /// The two exact ring prefills: pass-KV moves every rank's K/V (its cache shard and its new
@@ -78,6 +80,10 @@ std::string to_string(PrefillVariant variant);
 /// @param positions int64 [t]: global positions of the new tokens (prefill_positions)
 /// @param cache   this rank's shard of the tokens cached before (positions below every new one);
 ///                the new k, v are appended to it
+/// @param scale   softmax scale (default 1/√D)
+/// @param trace   if set, a span on lane "compute" of this rank around each ring step's attention
+///                (lesson 04's Trace): the tests check that each step but the last computes while
+///                the next block is in flight
 /// @return out, lse of the new queries over every cached and new key at or before their position.
 /// CPU float32/float64; CUDA float32/float16/bfloat16 (lesson 03's kernel). A cp::Error on every
 /// rank, before anything is sent, when any rank's inputs disagree (shapes, dtype, device, a cache
@@ -86,12 +92,14 @@ std::string to_string(PrefillVariant variant);
 /// world of another size).
 PrefillResult pass_kv_prefill(Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                               const torch::Tensor& positions, KvCacheShard& cache,
-                              std::optional<double> scale = std::nullopt);
+                              std::optional<double> scale = std::nullopt, Trace* trace = nullptr);
 
-/// Task 3. Pass-Q prefill: pass_kv_prefill's contract, the queries travelling instead of K/V.
+/// Task 3. Pass-Q prefill: pass_kv_prefill's contract, the queries travelling instead of K/V. The
+/// owner of a block of queries merges its N partial results in an order fixed by the ranks (not by
+/// the order in which messages arrive), so that the same inputs give the same bits on every run.
 PrefillResult pass_q_prefill(Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                              const torch::Tensor& positions, KvCacheShard& cache,
-                             std::optional<double> scale = std::nullopt);
+                             std::optional<double> scale = std::nullopt, Trace* trace = nullptr);
 
 /// Bytes rank `rank` sends in a prefill (given: the formula tasks 2 and 3 are tested against).
 /// `cached[j]`, `fresh[j]`: the cached and new tokens of rank j. A token's position travels with
@@ -119,9 +127,9 @@ struct PrefillChoice {
   std::string reason;  ///< names the choice, both times, and what decided
 };
 
-/// Task 4. Predicts both variants on `cluster`'s NVLink (one node): N ring steps, each as long as
-/// its compute or its transfer, whichever is longer, and for pass-Q the return of the partials
-/// after the ring (exposed); chooses the faster (pass-KV on a tie). README, "Task 4".
+/// Task 4. Predicts the attention time of both variants on `cluster`'s NVLink (one node) with the
+/// step model of the README ("Task 4": what a step computes and at which throughput, what it
+/// sends, what overlaps and what is exposed) and chooses the faster (pass-KV on a tie).
 PrefillChoice choose_prefill(const PrefillCase& c, const Cluster& cluster);
 
 // ── Task 5: decode ──────────────────────────────────────────────────────────────────────────
@@ -137,8 +145,8 @@ std::string to_string(DecodeMerge merge);
 struct DecodeResult {
   torch::Tensor out;       ///< [B, Hq, 1, D], dtype of q
   torch::Tensor lse;       ///< [B, Hq, 1] float32
-  int64_t bytes_sent = 0;  ///< payload this rank sent (decode_bytes)
-  int rounds = 0;          ///< messages in a row on the critical path (decode_bytes' rounds)
+  int64_t bytes_sent = 0;  ///< payload this rank sent (decode_bytes; the tests also count it)
+  int rounds = 0;          ///< rounds of communication in a row on the critical path (decode_bytes)
 };
 
 /// Task 5. One decode step of B sequences. On every rank:
@@ -155,9 +163,14 @@ DecodeResult decode_step(Comm& comm, const torch::Tensor& q, const torch::Tensor
                          std::optional<double> scale = std::nullopt);
 
 /// What a decode step sends from rank `rank` (given: the formula task 5 is tested against).
-/// Gather: its partial (out in the dtype, e bytes; lse float32) to each of the N − 1 others.
-/// Tree: its float32 accumulator (out and lse) once to its parent; rank 0 then broadcasts the
-/// result (out in the dtype, lse float32) to the N − 1 others.
+/// A round is one layer of communication that must finish before the next can start: a message
+/// that waits for the one before it (a tree's next level), or one collective (an all-gather, a
+/// broadcast), however many messages it sends at once. Rounds count the critical path, the same
+/// on every rank.
+/// Gather: its partial (out in the dtype, e bytes; lse float32) to each of the N − 1 others: one
+/// round, the all-gather. Tree: its float32 accumulator (out and lse) once to its parent, up
+/// ⌈log₂ N⌉ levels; rank 0 then broadcasts the result (out in the dtype, lse float32) to the N − 1
+/// others: ⌈log₂ N⌉ + 1 rounds.
 struct DecodeVolume {
   int64_t bytes = 0;
   int rounds = 0;

@@ -7,7 +7,9 @@
 // of the rows. A warp keeps its rows' Q as A fragments and their O as float32 C fragments in
 // registers for the whole kernel; tiles of kBc = 64 keys and values pass through shared memory.
 // Lane (g, t) holds, of every C fragment, rows g and g+8 of its warp's 16 (kernels/mma_map.h):
-// its two rows' maxima and sums are reduced over the quad of lanes 4g … 4g+3.
+// its two rows' maxima and sums are reduced over the quad of lanes 4g … 4g+3. This file is the
+// frame (tiles, loads, barriers, the tile skip); the steps you write are the device functions of
+// tensor_core_steps.cuh, which the tests also run one by one.
 #include <climits>
 #include <cstdint>
 
@@ -18,25 +20,15 @@
 #include "kernels/tile.cuh"
 #include "kernels/warp.cuh"
 #include "tensor_core_attention.cuh"
+#include "tensor_core_steps.cuh"
 
 namespace cp {
 namespace {
 
-using kernels::FragA;
-using kernels::FragB;
-using kernels::FragC;
-using kernels::kFullWarp;
 using kernels::kWarpSize;
+using namespace tensor_core;
 
-constexpr int kWarps = 4;
-constexpr int kBr = 16 * kWarps;  // query rows per block: 16 per warp, the rows of an mma
-constexpr int kBc = 64;           // keys per tile
 constexpr int kThreads = kWarps * kWarpSize;
-
-/// Shared-memory rows of D 16-bit elements and 8 of padding: 16 more bytes per row put the 8 rows
-/// an ldmatrix reads at once on different banks, and keep every row 16-byte aligned.
-template <int D>
-constexpr int kLd = D + 8;
 
 /// Rows [row0, row0 + n) of a [rows, D] matrix into tile rows 0 … kRows − 1 (zeros past n), 16
 /// bytes (8 elements) per copy, consecutive threads on consecutive bytes. The caller's
@@ -51,9 +43,6 @@ __device__ void load_tile(T* tile, const T* src, int64_t row0, int n) {
     *reinterpret_cast<uint4*>(tile + r * kLd<D> + 8 * c) = piece;
   }
 }
-
-/// The larger of a and b, where a NaN in either wins (fmaxf drops it).
-__device__ __forceinline__ float max_keep_nan(float a, float b) { return (a > b || a != a) ? a : b; }
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads)
@@ -99,11 +88,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
   FragA q_frag[D / 16];
-  // BEGIN YOUR CODE task 1: Q fragments
-  // TODO(lesson 16, task 1): the warp's 16 rows of the Q tile into q_frag, one A fragment per 16 dims,
-  // with ldmatrix_x4. README, "Task 1".
-  (void)q_frag;
-  // END YOUR CODE
+  load_q_fragments<T, D>(q_frag, k_tile, warp, lane);
   __syncthreads();  // every warp has its Q before the first K tile overwrites it
 
   float m[2] = {-INFINITY, -INFINITY};  // each row's maximum so far (the same in the whole quad)
@@ -136,30 +121,22 @@ __global__ void __launch_bounds__(kThreads)
 
     // S = Q·Kᵀ for the warp's 16 rows and the tile's 64 keys: 8 C fragments of 16 × 8.
     FragC s[kBc / 8];
-    // BEGIN YOUR CODE task 1: S = Q·Kᵀ
-    // TODO(lesson 16, task 1): s[nt] = Q · (keys 8nt … 8nt+7)ᵀ, one mma per 16 dims, the B fragments
-    // from the K tile with ldmatrix_x2. README, "Task 1".
-    // END YOUR CODE
+    compute_scores<T, D>(s, q_frag, k_tile, lane);
 
-    // BEGIN YOUR CODE task 2: the mask and the online softmax on fragments
-    // TODO(lesson 16, task 2): scale and mask each element of s by its global row and key (the map),
-    // each row's maximum over its quad, then rescale l and O and turn s into p. README, "Task 2".
-    (void)first, (void)last, (void)m, (void)l, (void)n;
-    // END YOUR CODE
+    softmax_tile<D>(s, o, m, l, kpos_tile, n, first, last, p.scale, lane);
 
-    // BEGIN YOUR CODE task 3: O += P·V with P as the A operand
-    // TODO(lesson 16, task 3): p of keys 16kk … 16kk+15 (s[2kk], s[2kk+1]) packed into an A fragment,
-    // then o[dt] += P · V[keys, dims 8dt … 8dt+7], the B fragments from the V tile with
-    // ldmatrix_x2_trans. README, "Task 3".
-    // END YOUR CODE
+    accumulate_pv<T, D>(o, s, v_tile, lane);
     __syncthreads();  // every warp is done with the tiles before the next ones overwrite them
   }
 
-  // BEGIN YOUR CODE task 3: out and lse
-  // TODO(lesson 16, task 3): each row's sum over its quad, then out = O / l and lse = m + log l
-  // (0 and −inf for a row that saw no key). README, "Task 3".
-  (void)out, (void)lse;
-  // END YOUR CODE
+  T* out_rows[2];
+  float* lse_rows[2];
+  for (int r = 0; r < 2; ++r) {
+    const bool active = row[r] < p.seq_q;
+    out_rows[r] = active ? out + (bh * p.seq_q + row[r]) * D : nullptr;
+    lse_rows[r] = active ? lse + bh * p.seq_q + row[r] : nullptr;
+  }
+  finish_rows<T, D>(out_rows, lse_rows, o, m, l, lane);
 }
 
 template <typename T, int D>

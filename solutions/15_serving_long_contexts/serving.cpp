@@ -290,7 +290,8 @@ int64_t prefill_bytes(PrefillVariant variant, const std::vector<int64_t>& cached
 }
 
 PrefillResult pass_kv_prefill(Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                              const torch::Tensor& positions, KvCacheShard& cache, std::optional<double> scale) {
+                              const torch::Tensor& positions, KvCacheShard& cache, std::optional<double> scale,
+                              Trace* trace) {
   const Agreed agreed = check_prefill_inputs(comm, q, k, v, positions, cache);
   const int p = comm.size(), rank = comm.rank(), next = (rank + 1) % p, prev = (rank + p - 1) % p;
   PrefillResult result;
@@ -298,7 +299,7 @@ PrefillResult pass_kv_prefill(Comm& comm, const torch::Tensor& q, const torch::T
   // STUB: // TODO(lesson 15, task 2): this rank's K/V (its cache shard and its new tokens, with their positions)
   // STUB: // around the ring; the new queries attend every block with the causal mask of global positions; the
   // STUB: // new k, v end in the cache. README, "Task 2".
-  // STUB: (void)agreed, (void)next, (void)prev, (void)scale, (void)result;
+  // STUB: (void)agreed, (void)next, (void)prev, (void)scale, (void)trace, (void)result;
   // STUB: throw NotImplemented("lesson 15, task 2: pass_kv_prefill");
   const torch::Tensor q_pos = positions.to(q.device());
   torch::Tensor blk_k = torch::cat({cache.k, k}, 2).contiguous(), blk_v = torch::cat({cache.v, v}, 2).contiguous();
@@ -320,8 +321,11 @@ PrefillResult pass_kv_prefill(Comm& comm, const torch::Tensor& q, const torch::T
                             P2POp::recv(next_k, prev), P2POp::recv(next_v, prev), P2POp::recv(next_pos, prev)});
       result.bytes_sent += blk_k.numel() * blk_k.element_size() * 2 + blk_pos.numel() * 8;
     }
-    const AttnResult blk = attend(q, blk_k, blk_v, q_pos, blk_pos, scale);  // while the next block travels
-    merge_attention(out, lse, blk.out, blk.lse);
+    {
+      const TraceSpan span(trace, rank, "compute", "step " + std::to_string(step));
+      const AttnResult blk = attend(q, blk_k, blk_v, q_pos, blk_pos, scale);  // while the next block travels
+      merge_attention(out, lse, blk.out, blk.lse);
+    }
     if (step + 1 < p) {
       pending.wait();
       blk_k = next_k, blk_v = next_v, blk_pos = next_pos;
@@ -335,7 +339,8 @@ PrefillResult pass_kv_prefill(Comm& comm, const torch::Tensor& q, const torch::T
 }
 
 PrefillResult pass_q_prefill(Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                             const torch::Tensor& positions, KvCacheShard& cache, std::optional<double> scale) {
+                             const torch::Tensor& positions, KvCacheShard& cache, std::optional<double> scale,
+                             Trace* trace) {
   const Agreed agreed = check_prefill_inputs(comm, q, k, v, positions, cache);
   const int p = comm.size(), rank = comm.rank(), next = (rank + 1) % p, prev = (rank + p - 1) % p;
   PrefillResult result;
@@ -343,7 +348,7 @@ PrefillResult pass_q_prefill(Comm& comm, const torch::Tensor& q, const torch::Te
   // STUB: // TODO(lesson 15, task 3): append the new k, v to the cache; the queries (with their positions) around
   // STUB: // the ring, each rank attending the visitors with its own K/V; each partial (out, lse) back to the
   // STUB: // queries' owner, which merges them. README, "Task 3".
-  // STUB: (void)agreed, (void)next, (void)prev, (void)scale, (void)result;
+  // STUB: (void)agreed, (void)next, (void)prev, (void)scale, (void)trace, (void)result;
   // STUB: throw NotImplemented("lesson 15, task 3: pass_q_prefill");
   const torch::Tensor q_pos = positions.to(q.device());
   cache_append(cache, k, v, q_pos);  // the new K/V join this rank's own: the queries come to them
@@ -363,7 +368,10 @@ PrefillResult pass_q_prefill(Comm& comm, const torch::Tensor& q, const torch::Te
                             P2POp::recv(next_pos, prev)});
       result.bytes_sent += visitor.numel() * visitor.element_size() + visitor_pos.numel() * 8;
     }
-    partials[owner] = attend(visitor, cache.k, cache.v, visitor_pos, cache.positions, scale);
+    {
+      const TraceSpan span(trace, rank, "compute", "step " + std::to_string(step));
+      partials[owner] = attend(visitor, cache.k, cache.v, visitor_pos, cache.positions, scale);
+    }
     if (step + 1 < p) {
       pending.wait();
       visitor = next_q, visitor_pos = next_pos;
@@ -411,15 +419,20 @@ PrefillChoice choose_prefill(const PrefillCase& c, const Cluster& cluster) {
   // STUB: (void)choice;
   // STUB: throw NotImplemented("lesson 15, task 4: choose_prefill");
   const double n = c.world, t = static_cast<double>(c.new_tokens), cached = static_cast<double>(c.cached_tokens);
-  const double e = static_cast<double>(c.element_size);
-  // One step: every rank's T/N queries against one rank's (P + T)/N keys, half of the new ones
-  // hidden by the causal mask on average; 4·D FLOPs a visible pair and head.
-  const double pairs = (t / n) * (cached + t / 2) / n * c.heads_q;
-  const double compute_ms = pairs * 4.0 * c.head_dim / (cluster.forward_tflops * 1e9);
+  const double e = static_cast<double>(c.element_size), flops_per_pair = 4.0 * c.head_dim * c.heads_q;
+  // The whole prefill computes T·P pairs without a mask (new queries, cached keys) and a causal
+  // call over the T new tokens (T²/2 pairs) at lesson 14's causal rate for a diagonal of T rows;
+  // the ring spreads it evenly over N ranks and N steps.
+  const double unmasked_ms = t * cached * flops_per_pair / (cluster.forward_tflops * 1e9);
+  const double causal_ms = t > 0 ? t * t / 2 * flops_per_pair / (forward_causal_tflops(cluster, t) * 1e9) : 0;
+  const double compute_ms = (unmasked_ms + causal_ms) / (n * n);
+  // One step's exchange is one batch of messages: one latency. Pass-KV sends an average rank's
+  // block, (P + T)/N tokens of K/V; pass-Q its T/N queries; positions travel with both.
   auto link_ms = [&](double bytes) { return transfer_ms(static_cast<int64_t>(bytes), 1, cluster.intra); };
   const double kv_ms = link_ms((cached + t) / n * (2.0 * c.heads_kv * c.head_dim * e + 8));
   const double q_ms = link_ms(t / n * (c.heads_q * c.head_dim * e + 8));
-  // N − 1 steps overlap a transfer, the last computes alone; pass-Q then sends N − 1 partials.
+  // N − 1 steps overlap a transfer, the last computes alone. Pass-Q then returns the partials of
+  // the N − 1 other ranks' queries, (N − 1)·T/N rows, all sent at once: one batch, one latency.
   const double ring = n > 1 ? 1 : 0;
   choice.pass_kv_ms = (n - 1) * std::max(compute_ms, kv_ms) + compute_ms;
   choice.pass_q_ms = (n - 1) * std::max(compute_ms, q_ms) + compute_ms +

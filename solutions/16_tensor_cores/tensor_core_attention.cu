@@ -5,7 +5,9 @@
 // of the rows. A warp keeps its rows' Q as A fragments and their O as float32 C fragments in
 // registers for the whole kernel; tiles of kBc = 64 keys and values pass through shared memory.
 // Lane (g, t) holds, of every C fragment, rows g and g+8 of its warp's 16 (kernels/mma_map.h):
-// its two rows' maxima and sums are reduced over the quad of lanes 4g … 4g+3.
+// its two rows' maxima and sums are reduced over the quad of lanes 4g … 4g+3. This file is the
+// frame (tiles, loads, barriers, the tile skip); the steps you write are the device functions of
+// tensor_core_steps.cuh, which the tests also run one by one.
 #include <climits>
 #include <cstdint>
 
@@ -16,25 +18,15 @@
 #include "kernels/tile.cuh"
 #include "kernels/warp.cuh"
 #include "tensor_core_attention.cuh"
+#include "tensor_core_steps.cuh"
 
 namespace cp {
 namespace {
 
-using kernels::FragA;
-using kernels::FragB;
-using kernels::FragC;
-using kernels::kFullWarp;
 using kernels::kWarpSize;
+using namespace tensor_core;
 
-constexpr int kWarps = 4;
-constexpr int kBr = 16 * kWarps;  // query rows per block: 16 per warp, the rows of an mma
-constexpr int kBc = 64;           // keys per tile
 constexpr int kThreads = kWarps * kWarpSize;
-
-/// Shared-memory rows of D 16-bit elements and 8 of padding: 16 more bytes per row put the 8 rows
-/// an ldmatrix reads at once on different banks, and keep every row 16-byte aligned.
-template <int D>
-constexpr int kLd = D + 8;
 
 /// Rows [row0, row0 + n) of a [rows, D] matrix into tile rows 0 … kRows − 1 (zeros past n), 16
 /// bytes (8 elements) per copy, consecutive threads on consecutive bytes. The caller's
@@ -49,9 +41,6 @@ __device__ void load_tile(T* tile, const T* src, int64_t row0, int n) {
     *reinterpret_cast<uint4*>(tile + r * kLd<D> + 8 * c) = piece;
   }
 }
-
-/// The larger of a and b, where a NaN in either wins (fmaxf drops it).
-__device__ __forceinline__ float max_keep_nan(float a, float b) { return (a > b || a != a) ? a : b; }
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads)
@@ -97,14 +86,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
   FragA q_frag[D / 16];
-  // BEGIN SOLUTION task 1: Q fragments
-  // STUB: // TODO(lesson 16, task 1): the warp's 16 rows of the Q tile into q_frag, one A fragment per 16 dims,
-  // STUB: // with ldmatrix_x4. README, "Task 1".
-  // STUB: (void)q_frag;
-CP_FRAGMENT_LOOP
-  for (int kk = 0; kk < D / 16; ++kk)
-    kernels::ldmatrix_x4(q_frag[kk].x, k_tile + (16 * warp + lane % 16) * kLd<D> + 16 * kk + 8 * (lane / 16));
-  // END SOLUTION
+  load_q_fragments<T, D>(q_frag, k_tile, warp, lane);
   __syncthreads();  // every warp has its Q before the first K tile overwrites it
 
   float m[2] = {-INFINITY, -INFINITY};  // each row's maximum so far (the same in the whole quad)
@@ -137,107 +119,22 @@ CP_FRAGMENT_LOOP
 
     // S = Q·Kᵀ for the warp's 16 rows and the tile's 64 keys: 8 C fragments of 16 × 8.
     FragC s[kBc / 8];
-    // BEGIN SOLUTION task 1: S = Q·Kᵀ
-    // STUB: // TODO(lesson 16, task 1): s[nt] = Q · (keys 8nt … 8nt+7)ᵀ, one mma per 16 dims, the B fragments
-    // STUB: // from the K tile with ldmatrix_x2. README, "Task 1".
-CP_FRAGMENT_LOOP
-    for (int nt = 0; nt < kBc / 8; ++nt)
-CP_FRAGMENT_LOOP
-      for (int kk = 0; kk < D / 16; ++kk) {
-        FragB kb;  // B[dim][key] = K[key][dim]: K's rows are B's columns, as ldmatrix gives them
-        kernels::ldmatrix_x2(kb.x, k_tile + (8 * nt + lane % 8) * kLd<D> + 16 * kk + 8 * ((lane / 8) % 2));
-        kernels::mma<T>(s[nt], q_frag[kk], kb);
-      }
-    // END SOLUTION
+    compute_scores<T, D>(s, q_frag, k_tile, lane);
 
-    // BEGIN SOLUTION task 2: the mask and the online softmax on fragments
-    // STUB: // TODO(lesson 16, task 2): scale and mask each element of s by its global row and key (the map),
-    // STUB: // each row's maximum over its quad, then rescale l and O and turn s into p. README, "Task 2".
-    // STUB: (void)first, (void)last, (void)m, (void)l, (void)n;
-    float tile_max[2] = {-INFINITY, -INFINITY};
-CP_FRAGMENT_LOOP
-    for (int nt = 0; nt < kBc / 8; ++nt)
-CP_FRAGMENT_LOOP
-      for (int e = 0; e < 4; ++e) {
-        const int r = e / 2, key = 8 * nt + kernels::frag_c_col(lane, e);
-        const int64_t pos = kpos_tile[key];
-        const bool visible = key < n && first[r] <= pos && pos <= last[r];
-        s[nt].x[e] = visible ? s[nt].x[e] * p.scale : -INFINITY;
-        tile_max[r] = max_keep_nan(tile_max[r], s[nt].x[e]);
-      }
-    float alpha[2];
-CP_FRAGMENT_LOOP
-    for (int r = 0; r < 2; ++r) {
-      // The row's 64 scores lie in the 4 lanes of the quad: two shuffles give each the maximum.
-      tile_max[r] = max_keep_nan(tile_max[r], __shfl_xor_sync(kFullWarp, tile_max[r], 1));
-      tile_max[r] = max_keep_nan(tile_max[r], __shfl_xor_sync(kFullWarp, tile_max[r], 2));
-      const float m_new = max_keep_nan(m[r], tile_max[r]);
-      alpha[r] = m_new == -INFINITY ? 1.0f : expf(m[r] - m_new);  // 0 on the row's first visible tile
-      m[r] = m_new;
-      l[r] *= alpha[r];
-    }
-CP_FRAGMENT_LOOP
-    for (int nt = 0; nt < kBc / 8; ++nt)
-CP_FRAGMENT_LOOP
-      for (int e = 0; e < 4; ++e) {
-        const int r = e / 2;
-        s[nt].x[e] = s[nt].x[e] == -INFINITY ? 0.0f : expf(s[nt].x[e] - m[r]);  // s becomes p
-        l[r] += s[nt].x[e];
-      }
-CP_FRAGMENT_LOOP
-    for (int dt = 0; dt < D / 8; ++dt)
-CP_FRAGMENT_LOOP
-      for (int e = 0; e < 4; ++e) o[dt].x[e] *= alpha[e / 2];
-    // END SOLUTION
+    softmax_tile<D>(s, o, m, l, kpos_tile, n, first, last, p.scale, lane);
 
-    // BEGIN SOLUTION task 3: O += P·V with P as the A operand
-    // STUB: // TODO(lesson 16, task 3): p of keys 16kk … 16kk+15 (s[2kk], s[2kk+1]) packed into an A fragment,
-    // STUB: // then o[dt] += P · V[keys, dims 8dt … 8dt+7], the B fragments from the V tile with
-    // STUB: // ldmatrix_x2_trans. README, "Task 3".
-CP_FRAGMENT_LOOP
-    for (int kk = 0; kk < kBc / 16; ++kk) {
-      // C fragments of keys 16kk … 16kk+7 and 16kk+8 … 16kk+15 are, element for element, the
-      // halves of an A fragment over those 16 keys (kernels/mma_map.h): no shared memory needed.
-      FragA pa;
-      pa.x[0] = kernels::pack2<T>(s[2 * kk].x[0], s[2 * kk].x[1]);          // row g,   keys 2t, 2t+1
-      pa.x[1] = kernels::pack2<T>(s[2 * kk].x[2], s[2 * kk].x[3]);          // row g+8
-      pa.x[2] = kernels::pack2<T>(s[2 * kk + 1].x[0], s[2 * kk + 1].x[1]);  // row g,   keys 2t+8, 2t+9
-      pa.x[3] = kernels::pack2<T>(s[2 * kk + 1].x[2], s[2 * kk + 1].x[3]);  // row g+8
-CP_FRAGMENT_LOOP
-      for (int dt = 0; dt < D / 8; ++dt) {
-        FragB vb;  // B[key][dim] = V[key][dim]: row-major, read transposed
-        kernels::ldmatrix_x2_trans(vb.x, v_tile + (16 * kk + lane % 16) * kLd<D> + 8 * dt);
-        kernels::mma<T>(o[dt], pa, vb);
-      }
-    }
-    // END SOLUTION
+    accumulate_pv<T, D>(o, s, v_tile, lane);
     __syncthreads();  // every warp is done with the tiles before the next ones overwrite them
   }
 
-  // BEGIN SOLUTION task 3: out and lse
-  // STUB: // TODO(lesson 16, task 3): each row's sum over its quad, then out = O / l and lse = m + log l
-  // STUB: // (0 and −inf for a row that saw no key). README, "Task 3".
-  // STUB: (void)out, (void)lse;
-  float inv_l[2];
-CP_FRAGMENT_LOOP
+  T* out_rows[2];
+  float* lse_rows[2];
   for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(kFullWarp, l[r], 1);
-    l[r] += __shfl_xor_sync(kFullWarp, l[r], 2);
-    inv_l[r] = l[r] == 0.0f ? 0.0f : 1.0f / l[r];
+    const bool active = row[r] < p.seq_q;
+    out_rows[r] = active ? out + (bh * p.seq_q + row[r]) * D : nullptr;
+    lse_rows[r] = active ? lse + bh * p.seq_q + row[r] : nullptr;
   }
-CP_FRAGMENT_LOOP
-  for (int dt = 0; dt < D / 8; ++dt)
-CP_FRAGMENT_LOOP
-    for (int e = 0; e < 4; ++e) {
-      const int r = e / 2;
-      if (row[r] < p.seq_q)
-        out[(bh * p.seq_q + row[r]) * D + 8 * dt + kernels::frag_c_col(lane, e)] =
-            kernels::from_float<T>(o[dt].x[e] * inv_l[r]);
-    }
-  for (int r = 0; r < 2; ++r)
-    if (row[r] < p.seq_q && lane % 4 == 0)
-      lse[bh * p.seq_q + row[r]] = l[r] == 0.0f ? -INFINITY : m[r] == INFINITY ? INFINITY : m[r] + logf(l[r]);
-  // END SOLUTION
+  finish_rows<T, D>(out_rows, lse_rows, o, m, l, lane);
 }
 
 template <typename T, int D>

@@ -95,8 +95,9 @@ std::string constant_factor_hint(const double* a, const double* e, int64_t flat,
   }
   out << "every value of this row is " << num(hi, 4) << " × the expected one: right up to one factor per row, "
       << "so the row's normaliser is " << (hi < 1 ? "too large" : "too small")
-      << " (a softmax: is l rescaled when the maximum changes? a mean or a gradient averaged over ranks: is "
-      << "the count or the factor the right one?)";
+      << " (a softmax: is l rescaled when the maximum changes? a merge of partial results: does a part that "
+      << "saw no key carry lse = -inf, or does its lse = 0 count as a key of weight 1? a mean or a gradient "
+      << "averaged over ranks: is the count or the factor the right one?)";
   return out.str();
 }
 }  // namespace

@@ -1,0 +1,108 @@
+// GENERATED from solutions/16_tensor_cores/tensor_core_steps.cuh by tools/skeleton.
+// Learners: write between BEGIN YOUR CODE and END YOUR CODE. Maintainers: edit the solution, then run make skeletons.
+// Lesson 16 — the steps of the matrix-unit forward that you write, one device function each, so
+// that each can be tested on its own (tests/16_tensor_cores_probes.cu runs them on known tiles)
+// and tensor_core_attention.cu calls them in its frame.
+//
+// One warp owns 16 query rows. Lane (g, t) holds, of every C fragment, rows g and g + 8 of those
+// 16 (index r = 0 and 1 below) and the columns kernels/mma_map.h names. Shared-memory tiles are
+// row-major with kLd<D> elements a row.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/mma.cuh"
+#include "kernels/warp.cuh"
+
+namespace cp::tensor_core {
+
+using kernels::FragA;
+using kernels::FragB;
+using kernels::FragC;
+
+constexpr int kWarps = 4;
+constexpr int kBr = 16 * kWarps;  // query rows per block: 16 per warp, the rows of an mma
+constexpr int kBc = 64;           // keys per tile
+
+/// Shared-memory rows of D 16-bit elements and 8 of padding: 16 more bytes per row put the 8 rows
+/// an ldmatrix reads at once on different banks, and keep every row 16-byte aligned.
+template <int D>
+constexpr int kLd = D + 8;
+
+/// The larger of a and b, where a NaN in either wins (fmaxf drops it).
+__device__ __forceinline__ float max_keep_nan(float a, float b) { return (a > b || a != a) ? a : b; }
+
+/// Task 1. q_frag[kk] holds, as an A operand, the warp's 16 query rows (rows 16·warp … 16·warp + 15
+/// of `q_tile`, [kBr][kLd<D>] in shared memory) and their dims 16·kk … 16·kk + 15.
+template <typename T, int D>
+__device__ __forceinline__ void load_q_fragments(FragA (&q_frag)[D / 16], const T* q_tile, int warp, int lane) {
+  // BEGIN YOUR CODE task 1: Q fragments
+  // TODO(lesson 16, task 1): q_frag[kk], for every kk < D/16, must hold in A's layout the warp's 16 rows
+  // of q_tile and dims 16kk … 16kk+15. README, "Task 1". Delete the #define below once written: the
+  // task 1 tests wait for it.
+  #define CP_LESSON16_TASK1_NOT_STARTED 1
+  (void)q_frag, (void)q_tile, (void)warp, (void)lane;
+  // END YOUR CODE
+}
+
+/// Task 1. s[nt] = Q · Kᵀ for the warp's 16 rows and keys 8·nt … 8·nt + 7 of `k_tile` ([kBc][kLd<D>]
+/// in shared memory), in float32, unscaled and unmasked.
+template <typename T, int D>
+__device__ __forceinline__ void compute_scores(FragC (&s)[kBc / 8], const FragA (&q_frag)[D / 16], const T* k_tile,
+                                               int lane) {
+  // BEGIN YOUR CODE task 1: S = Q·Kᵀ
+  // TODO(lesson 16, task 1): s[nt], for every nt < kBc/8, must hold in C's layout Q·Kᵀ of the warp's 16
+  // rows and keys 8nt … 8nt+7 of k_tile, summed over all D dims. README, "Task 1".
+  (void)s, (void)q_frag, (void)k_tile, (void)lane;
+  // END YOUR CODE
+}
+
+/// Task 2. One tile of the online softmax on fragments. On entry s holds the raw scores of the
+/// warp's rows against the tile's keys; key j of the tile is at position kpos_tile[j] and exists
+/// for j < n; row r of this lane sees the positions [first[r], last[r]]. m[r] is row r's maximum
+/// so far (the same in the whole quad), l[r] this lane's part of the row's sum of p, o[dt] the
+/// row's unnormalised output. On return: s holds p = exp(scale·s − m_new) (0 where hidden), m the
+/// new maxima, l and o rescaled to them with this tile's p added to l. A row that has seen no key
+/// keeps m = −inf, l = 0 and o = 0; no NaN from a hidden key.
+template <int D>
+__device__ __forceinline__ void softmax_tile(FragC (&s)[kBc / 8], FragC (&o)[D / 8], float (&m)[2], float (&l)[2],
+                                             const int64_t* kpos_tile, int n, const int64_t (&first)[2],
+                                             const int64_t (&last)[2], float scale, int lane) {
+  // BEGIN YOUR CODE task 2: the mask and the online softmax on fragments
+  // TODO(lesson 16, task 2): afterwards each element of s holds p = exp(scale·s − m) if its key is visible
+  // to its row by the global positions, else 0; m is each row's maximum so far (the same in its quad),
+  // l this lane's part of its row's sum, and l and o are rescaled to the new m. README, "Task 2".
+  // Delete the #define below once written: the task 2 tests wait for it.
+  #define CP_LESSON16_TASK2_NOT_STARTED 1
+  (void)s, (void)o, (void)m, (void)l, (void)kpos_tile, (void)n, (void)first, (void)last, (void)scale,
+  (void)lane;
+  // END YOUR CODE
+}
+
+/// Task 3. o[dt] += P · V for dims 8·dt … 8·dt + 7: p in s (softmax_tile's), rounded to T as the
+/// A operand, V from `v_tile` ([kBc][kLd<D>] in shared memory, keys × dims).
+template <typename T, int D>
+__device__ __forceinline__ void accumulate_pv(FragC (&o)[D / 8], const FragC (&s)[kBc / 8], const T* v_tile,
+                                              int lane) {
+  // BEGIN YOUR CODE task 3: O += P·V with P as the A operand
+  // TODO(lesson 16, task 3): o[dt] must gain P·V of this tile for the warp's 16 rows and dims 8dt … 8dt+7,
+  // P taken from s in registers, rounded to T, and V read from v_tile. README, "Task 3".
+  (void)o, (void)s, (void)v_tile, (void)lane;
+  // END YOUR CODE
+}
+
+/// Task 3. The rows' results: out = O / l and lse = m + log l for this lane's two rows, each
+/// row's l first summed over its quad; a row that saw no key gets out = 0 and lse = −inf.
+/// out_rows[r]: row r's D outputs in global memory (null for a row past Sq); lane 4g writes lse.
+template <typename T, int D>
+__device__ __forceinline__ void finish_rows(T* const (&out_rows)[2], float* const (&lse_rows)[2], const FragC (&o)[D / 8],
+                                            const float (&m)[2], float (&l)[2], int lane) {
+  // BEGIN YOUR CODE task 3: out and lse
+  // TODO(lesson 16, task 3): for each row with an out_rows pointer, out = O / l in T with l the whole
+  // row's sum, and lse = m + log l (natural log) written once; a row that saw no key gets 0 and −inf.
+  // README, "Task 3".
+  (void)out_rows, (void)lse_rows, (void)o, (void)m, (void)l, (void)lane;
+  // END YOUR CODE
+}
+
+}  // namespace cp::tensor_core
