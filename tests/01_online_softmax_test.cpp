@@ -459,8 +459,6 @@ CP_TEST(Lesson01Cuda, Task4_MinusInfRowsAndManyRows) {
 // no LibTorch CUDA, so they run on a GPU and, without one, on the CPU through chipStar + PoCL.
 
 #if CP_WITH_CUDA
-using testing::DeviceBuffer;
-using testing::TestStream;
 
 /// What to ask the kernel for: both outputs, or one of them (the other pointer is null).
 enum class Outputs { Both, YOnly, LseOnly };
@@ -468,7 +466,7 @@ enum class Outputs { Both, YOnly, LseOnly };
 /// Runs the kernel on x [rows, n] (any float dtype) and compares y and lse with the oracle.
 void check_kernel(const torch::Tensor& x, const std::string& what, Outputs outputs = Outputs::Both) {
   const int64_t rows = x.size(0), n = x.size(1);
-  TestStream stream;
+  CudaStream stream;
   DeviceBuffer x_dev(x), y_dev({rows, n}, x.scalar_type()), lse_dev({rows}, torch::kFloat);
   const bool want_y = outputs != Outputs::LseOnly, want_lse = outputs != Outputs::YOnly;
   launch_online_softmax(x_dev.get(), want_y ? y_dev.get() : nullptr, want_lse ? lse_dev.as<float>() : nullptr, rows,
@@ -524,7 +522,7 @@ CP_TEST(Lesson01Kernels, Task4_NanAndInfFollowTheReference) {
     const torch::Tensor x = non_finite_rows(n, 70 + n);
     for (auto dtype : {torch::kFloat, torch::kBFloat16}) {
       const torch::Tensor xd = x.to(dtype);
-      TestStream stream;
+      CudaStream stream;
       DeviceBuffer x_dev(xd), y_dev({x.size(0), n}, dtype), lse_dev({x.size(0)}, torch::kFloat);
       launch_online_softmax(x_dev.get(), y_dev.get(), lse_dev.as<float>(), x.size(0), n, kernel_dtype(xd, "x"),
                             stream.get());

@@ -466,15 +466,13 @@ CP_TEST(Lesson03Cuda, Task3_SplitKMergeOnCudaAndUnsupportedHeadDim) {
 // LibTorch CUDA is needed, so these run on a GPU and, without one, on the CPU (chipStar + PoCL).
 
 #if CP_WITH_CUDA
-using testing::DeviceBuffer;
-using testing::TestStream;
 
 AttnResult forward_kernel(const Inputs& in, const AttentionMask& mask, const torch::Tensor& q_pos,
                           const torch::Tensor& k_pos, double scale) {
   const VisibleKeys keys = visible_keys(mask, q_pos);
   const BlockAttentionParams p{in.q.size(0), in.q.size(1), in.k.size(1), in.q.size(2), in.k.size(2), in.q.size(3),
                                static_cast<float>(scale), keys.masked};
-  TestStream stream;
+  CudaStream stream;
   DeviceBuffer q(in.q), k(in.k), v(in.v), k_pos_dev(k_pos);
   DeviceBuffer first(keys.masked ? keys.first : q_pos), last(keys.masked ? keys.last : q_pos);  // unread unless masked
   DeviceBuffer out(in.q.sizes().vec(), in.q.scalar_type()), lse({p.batch, p.heads_q, p.seq_q}, torch::kFloat);

@@ -379,8 +379,6 @@ CP_TEST(Lesson05Cuda, Task3_RingBackwardOnCudaForEveryDtypeAndHeadDim) {
 // no LibTorch CUDA is needed, so these run on a GPU and, without one, on the CPU (chipStar + PoCL).
 
 #if CP_WITH_CUDA
-using testing::DeviceBuffer;
-using testing::TestStream;
 
 /// The backward kernels on `in` (any kernel dtype) under `m`, given the forward's out and lse.
 AttnGrads backward_kernel_masked(const Inputs& in, const testing::OracleMask& m) {
@@ -394,7 +392,7 @@ AttnGrads backward_kernel_masked(const Inputs& in, const testing::OracleMask& m)
   const torch::Tensor out = out64.to(in.q.scalar_type());  // what the forward kernel would have written
   // delta = rowsum(dO ∘ O), the term every dS of the row subtracts (float32, as the wrapper gives it).
   const torch::Tensor delta = (in.dout.to(torch::kDouble) * out.to(torch::kDouble)).sum(-1).to(torch::kFloat);
-  TestStream stream;
+  CudaStream stream;
   DeviceBuffer q(in.q), k(in.k), v(in.v), dout(in.dout), lse(lse64.to(torch::kFloat)), delta_dev(delta);
   DeviceBuffer first(keys.masked ? keys.first : m.q_pos), last(keys.masked ? keys.last : m.q_pos);  // unread unless masked
   DeviceBuffer k_pos_dev(m.k_pos);

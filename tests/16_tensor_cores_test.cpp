@@ -47,8 +47,6 @@ Inputs random_inputs(const Case& c, torch::ScalarType dtype, uint64_t seed) {
 }
 
 #if CP_WITH_CUDA
-using testing::DeviceBuffer;
-using testing::TestStream;
 
 AttnResult run_kernel(const Inputs& in, const OracleMask& mask, double scale) {
   AttentionMask am;
@@ -60,7 +58,7 @@ AttnResult run_kernel(const Inputs& in, const OracleMask& mask, double scale) {
   const VisibleKeys keys = visible_keys(am, mask.q_pos);
   const BlockAttentionParams p{in.q.size(0), in.q.size(1), in.k.size(1), in.q.size(2), in.k.size(2), in.q.size(3),
                                static_cast<float>(scale), keys.masked};
-  TestStream stream;
+  CudaStream stream;
   DeviceBuffer q(in.q), k(in.k), v(in.v), k_pos(mask.k_pos);
   DeviceBuffer first(keys.masked ? keys.first : mask.q_pos), last(keys.masked ? keys.last : mask.q_pos);
   DeviceBuffer out(in.q.sizes().vec(), in.q.scalar_type()), lse({p.batch, p.heads_q, p.seq_q}, torch::kFloat);
@@ -100,7 +98,7 @@ CP_TEST(Lesson16Kernels, Task1_QFragmentsAndScoresHoldWhatTheMapSays) {
   CP_REQUIRE_CUDA_RUNTIME();
   for (const auto& [dtype, d] : {std::pair{torch::kHalf, int64_t{64}}, std::pair{torch::kBFloat16, int64_t{128}}}) {
     const torch::Tensor q = random_16bit(64, d, dtype, 170 + d), k = random_16bit(64, d, dtype, 171 + d);
-    TestStream stream;
+    CudaStream stream;
     DeviceBuffer q_dev(q.to(dtype)), k_dev(k.to(dtype));
     DeviceBuffer frag({4, 32, d / 16, 8}, torch::kFloat), scores({64, 64}, torch::kFloat);
     testing::launch_lesson16_task1_probe({q_dev.get(), k_dev.get(), frag.as<float>(), scores.as<float>(), d,
@@ -193,7 +191,7 @@ CP_TEST(Lesson16Kernels, Task2_OnlineSoftmaxOnFragmentsFollowsTheDefinition) {
   o_in.narrow(0, 0, 16).zero_(), o_in.narrow(0, 32, 4).zero_();
   const SoftmaxStep want = reference_softmax_tile(s, kpos, n, first, last, scale, m_in, l_in, o_in);
 
-  TestStream stream;
+  CudaStream stream;
   DeviceBuffer s_dev(s.to(torch::kFloat)), kpos_dev(kpos), first_dev(first), last_dev(last);
   DeviceBuffer m_dev(m_in.to(torch::kFloat)), l_dev(l_in.to(torch::kFloat)), o_dev(o_in.to(torch::kFloat));
   DeviceBuffer p_out({64, 64}, torch::kFloat), m_out({64}, torch::kFloat), l_out({64}, torch::kFloat),
@@ -287,7 +285,7 @@ CP_TEST(Lesson16Kernels, Task3_KernelRejectsFloat32AndOtherHeadDims) {
   expect_error([&] { run_kernel(d32, {false, torch::arange(4), torch::arange(4)}, 0.125); }, "unsupported head dim 32");
   // q one element past a 16-byte boundary (a view into the middle of a row): the loads need 16.
   const Inputs in = random_inputs({1, 1, 1, 4, 4, 64}, torch::kHalf, 1);
-  TestStream stream;
+  CudaStream stream;
   DeviceBuffer q(in.q), k(in.k), v(in.v), pos(torch::arange(4));
   DeviceBuffer out(in.q.sizes().vec(), in.q.scalar_type()), lse({1, 1, 4}, torch::kFloat);
   const BlockAttentionParams p{1, 1, 1, 3, 4, 64, 0.125f, false};

@@ -30,15 +30,13 @@ namespace cp {
 namespace {
 
 #if CP_WITH_CUDA
-using testing::DeviceBuffer;
-using testing::TestStream;
 
 struct ProbeResult {
   torch::Tensor a_frag, b_frag, bt_frag, d_map, d_ld;
 };
 
 ProbeResult run_probe(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& c) {
-  TestStream stream;
+  CudaStream stream;
   DeviceBuffer a_dev(a), b_dev(b), c_dev(c);
   DeviceBuffer a_frag({32, 8}, torch::kFloat), b_frag({32, 4}, torch::kFloat), bt_frag({32, 4}, torch::kFloat);
   DeviceBuffer d_map({16, 8}, torch::kFloat), d_ld({16, 8}, torch::kFloat);

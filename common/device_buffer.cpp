@@ -1,9 +1,9 @@
-#include "testing/device_buffer.h"
+#include "common/device_buffer.h"
 
 #if CP_WITH_CUDA
 #include "common/cuda_check.h"
 
-namespace cp::testing {
+namespace cp {
 
 DeviceBuffer::DeviceBuffer(std::vector<int64_t> shape, torch::ScalarType dtype)
     : shape_(std::move(shape)), dtype_(dtype) {
@@ -32,9 +32,9 @@ torch::Tensor DeviceBuffer::to_host(cudaStream_t stream) const {
   return host;
 }
 
-TestStream::TestStream() { CUDA_CHECK(cudaStreamCreate(&stream_)); }
+CudaStream::CudaStream() { CUDA_CHECK(cudaStreamCreate(&stream_)); }
 
-TestStream::~TestStream() { (void)cudaStreamDestroy(stream_); }
+CudaStream::~CudaStream() { (void)cudaStreamDestroy(stream_); }
 
-}  // namespace cp::testing
+}  // namespace cp
 #endif
