@@ -205,14 +205,14 @@ class TestRun:
         return lines[-1].strip() if lines else ""
 
 
-def run_test_exe(exe: Path) -> TestRun:
+def run_test_exe(exe: Path, args: list[str] | None = None) -> TestRun:
     """Run a lesson test executable and collect the JSON Lines it writes to CP_RESULTS_JSON."""
     fd, results_path = tempfile.mkstemp(prefix="cp_results_", suffix=".jsonl")
     os.close(fd)
     env = {**os.environ, "CP_RESULTS_JSON": results_path, "GTEST_COLOR": "no"}
     try:
         try:
-            done = subprocess.run([str(exe)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+            done = subprocess.run([str(exe), *(args or [])], cwd=REPO, env=env, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, timeout=TEST_TIMEOUT_S)
             returncode, output = done.returncode, done.stdout
         except subprocess.TimeoutExpired as timeout:
