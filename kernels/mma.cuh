@@ -14,7 +14,10 @@
 // with warp shuffles that move exactly the elements the map says, so a kernel that indexes a
 // fragment wrongly fails on the CPU as it would on a GPU. The emulation's products are exact in
 // float32 and summed in k order; the hardware's order and rounding inside one mma are its own, so
-// the two agree to float32 rounding, not bit for bit.
+// the two agree to float32 rounding, not bit for bit. Under CUDA on the CPU the emulated ldmatrix
+// also refuses what the hardware refuses, an address outside the shared memory the kernel
+// declared or not 16-byte aligned (kernels/strict_shared.cuh: declare_shared, and the launcher's
+// throw_on_emulation_fault).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -26,6 +29,7 @@
 
 #include "kernels/dtype.cuh"
 #include "kernels/mma_map.h"
+#include "kernels/strict_shared.cuh"
 #include "kernels/warp.cuh"
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && !defined(__HIP_PLATFORM_SPIRV__)
@@ -113,6 +117,7 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
                : "r"(addr));
 #else
   const int lane = static_cast<int>(threadIdx.x % kWarpSize), g = lane / 4, t = lane % 4;
+  expect_shared_16(row, kLdmatrixNotShared, kLdmatrixMisaligned);
   CP_FRAGMENT_LOOP
   for (int m = 0; m < 4; ++m) r[m] = load_pair(pull_address(row, 8 * m + g) + 2 * t);
 #endif
@@ -128,6 +133,7 @@ __device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], const void* row) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
 #else
   const int lane = static_cast<int>(threadIdx.x % kWarpSize), g = lane / 4, t = lane % 4;
+  if (lane < 16) expect_shared_16(row, kLdmatrixNotShared, kLdmatrixMisaligned);
   CP_FRAGMENT_LOOP
   for (int m = 0; m < 2; ++m) r[m] = load_pair(pull_address(row, 8 * m + g) + 2 * t);
 #endif
@@ -144,6 +150,7 @@ __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&r)[2], const void* 
                : "r"(addr));
 #else
   const int lane = static_cast<int>(threadIdx.x % kWarpSize), g = lane / 4, t = lane % 4;
+  if (lane < 16) expect_shared_16(row, kLdmatrixNotShared, kLdmatrixMisaligned);
   CP_FRAGMENT_LOOP
   for (int m = 0; m < 2; ++m) {
     const uint16_t* even = pull_address(row, 8 * m + 2 * t);

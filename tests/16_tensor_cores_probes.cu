@@ -20,6 +20,7 @@ __global__ void __launch_bounds__(kThreads) task1_probe_kernel(Lesson16Task1Prob
   __shared__ __align__(16) uint16_t raw[2 * kBr * kLd<D>];
   T* q_tile = reinterpret_cast<T*>(raw);
   T* k_tile = q_tile + kBr * kLd<D>;
+  kernels::declare_shared(raw, sizeof raw);
   const T* q = static_cast<const T*>(p.q);
   const T* k = static_cast<const T*>(p.k);
   for (int i = threadIdx.x; i < kBr * D; i += blockDim.x) {
@@ -93,6 +94,7 @@ void launch_lesson16_task1_probe(const Lesson16Task1Probe& probe, cudaStream_t s
   else
     throw Error("lesson 16's task 1 probe: float16 at D = 64 or bfloat16 at D = 128", __FILE__, __LINE__);
   CUDA_CHECK_LAUNCH();
+  kernels::throw_on_emulation_fault(stream, "lesson 16's task 1 probe (load_q_fragments, compute_scores)");
 #endif
 }
 

@@ -23,6 +23,7 @@
 #include "testing/oracle.h"
 
 #if CP_WITH_CUDA
+#include "tests/kernels/async_copy_probe.cuh"
 #include "tests/kernels/mma_probe.cuh"
 #endif
 
@@ -35,13 +36,13 @@ struct ProbeResult {
   torch::Tensor a_frag, b_frag, bt_frag, d_map, d_ld;
 };
 
-ProbeResult run_probe(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& c) {
+ProbeResult run_probe(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& c, int misuse = 0) {
   CudaStream stream;
   DeviceBuffer a_dev(a), b_dev(b), c_dev(c);
   DeviceBuffer a_frag({32, 8}, torch::kFloat), b_frag({32, 4}, torch::kFloat), bt_frag({32, 4}, torch::kFloat);
   DeviceBuffer d_map({16, 8}, torch::kFloat), d_ld({16, 8}, torch::kFloat);
   testing::launch_mma_probe({a_dev.get(), b_dev.get(), c_dev.as<float>(), a_frag.as<float>(), b_frag.as<float>(),
-                             bt_frag.as<float>(), d_map.as<float>(), d_ld.as<float>()},
+                             bt_frag.as<float>(), d_map.as<float>(), d_ld.as<float>(), misuse},
                             kernel_dtype(a, "a"), stream.get());
   return {a_frag.to_host(stream.get()), b_frag.to_host(stream.get()), bt_frag.to_host(stream.get()),
           d_map.to_host(stream.get()), d_ld.to_host(stream.get())};
@@ -90,8 +91,62 @@ CP_TEST(KernelsMmaKernels, MmaEqualsTheMatrixProduct) {
     }
   }
 }
+CP_TEST(KernelsMmaKernels, TheEmulationRefusesWhatTheHardwareRefuses) {
+  CP_REQUIRE_CUDA_RUNTIME();
+#if defined(CP_CUDA_CPU_ROOT)
+  // Under CUDA on the CPU every address is a plain pointer, so ldmatrix from global memory would
+  // read the right numbers; the emulation refuses it, as a GPU would fault or read garbage.
+  const torch::Tensor a = torch::ones({16, 16}, torch::kHalf), b = torch::ones({16, 8}, torch::kHalf);
+  run_probe(a, b, torch::zeros({16, 8}));  // no mistake: no error
+  testing::expect_errors({
+      {"ldmatrix_x4 of A in global memory", [&] { run_probe(a, b, torch::zeros({16, 8}), 1); },
+       "ldmatrix read an address outside the shared memory the kernel declared"},
+      {"ldmatrix_x2 of a row 2 bytes past a 16-byte boundary", [&] { run_probe(a, b, torch::zeros({16, 8}), 2); },
+       "an ldmatrix row address is not 16-byte aligned"},
+      {"ldmatrix_x2_trans of B in global memory", [&] { run_probe(a, b, torch::zeros({16, 8}), 3); },
+       "ldmatrix read an address outside the shared memory the kernel declared"},
+  });
+#else
+  GTEST_SKIP() << "a GPU's own ldmatrix faults or reads garbage on these addresses: compute-sanitizer's memcheck "
+                  "reports them on a GPU day; the emulation's refusals are tested under CUDA on the CPU";
+#endif
+}
 #else
 CP_KERNEL_TESTS_NEED_CUDA(KernelsMmaKernels)
+#endif
+
+#if CP_WITH_CUDA
+/// Runs the async-copy probe on src [2, 256]; returns shared memory after wait<1> and after wait<0>.
+std::pair<torch::Tensor, torch::Tensor> run_async_copy_probe(const torch::Tensor& src, int misuse = 0) {
+  CudaStream stream;
+  DeviceBuffer src_dev(src), after1({2, 256}, torch::kFloat), after0({2, 256}, torch::kFloat);
+  testing::launch_async_copy_probe({src_dev.as<float>(), after1.as<float>(), after0.as<float>(), misuse},
+                                   stream.get());
+  return {after1.to_host(stream.get()), after0.to_host(stream.get())};
+}
+
+CP_TEST(KernelsAsyncCopyKernels, AGroupHasLandedOnceItsWaitReturns) {
+  CP_REQUIRE_CUDA_RUNTIME();
+  const torch::Tensor src = torch::arange(512, torch::kFloat).view({2, 256});
+  const auto [after1, after0] = run_async_copy_probe(src);
+  EXPECT_TRUE(torch::equal(after1[0], src[0])) << "after wait<1>, group 0 (tile 0) must have landed: got\n"
+                                               << after1[0];
+  EXPECT_TRUE(torch::equal(after0, src)) << "after wait<0>, both groups must have landed: got\n" << after0;
+#if defined(CP_CUDA_CPU_ROOT)
+  // The emulation lands a group only when a wait retires it: a kernel that reads tile 1 after
+  // wait<1> reads the old bytes here (on a GPU it may read them, or the new ones, or a mix).
+  EXPECT_TRUE(torch::equal(after1[1], torch::full({256}, -1.0f)))
+      << "after wait<1>, the emulation must not have landed group 1 yet: got\n" << after1[1];
+  testing::expect_errors({
+      {"cp.async into global memory", [&] { run_async_copy_probe(src, 1); },
+       "cp.async wrote outside the shared memory the kernel declared"},
+      {"cp.async to a shared address 4 bytes past a 16-byte boundary", [&] { run_async_copy_probe(src, 2); },
+       "a cp.async address is not 16-byte aligned"},
+  });
+#endif
+}
+#else
+CP_KERNEL_TESTS_NEED_CUDA(KernelsAsyncCopyKernels)
 #endif
 
 /// y = exp_nonpos(x), or exp2_nonpos(x) if Base2, n a multiple of 16, at the widest SIMD level

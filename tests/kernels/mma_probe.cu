@@ -21,6 +21,7 @@ __global__ void mma_probe_kernel(MmaProbe p) {
   T* a_s = reinterpret_cast<T*>(a_raw);    // A, row-major
   T* bt_s = reinterpret_cast<T*>(bt_raw);  // Bᵀ: row n holds column n of B
   T* b_s = reinterpret_cast<T*>(b_raw);    // B, row-major
+  kernels::declare_shared(a_raw, sizeof a_raw, bt_raw, sizeof bt_raw, b_raw, sizeof b_raw);
   const int lane = threadIdx.x;
   const T* a = static_cast<const T*>(p.a);
   const T* b = static_cast<const T*>(p.b);
@@ -36,6 +37,12 @@ __global__ void mma_probe_kernel(MmaProbe p) {
   ldmatrix_x4(fa.x, a_s + (lane % 16) * kLd + 8 * (lane / 16));
   ldmatrix_x2(fb.x, bt_s + (lane % 8) * kLd + 8 * ((lane / 8) % 2));
   ldmatrix_x2_trans(fbt.x, b_s + (lane % 16) * kLd);
+  FragA wrong_a;
+  FragB wrong_b;
+  if (p.misuse == 1) ldmatrix_x4(wrong_a.x, a + (lane % 16) * 16 + 8 * (lane / 16));
+  if (p.misuse == 2) ldmatrix_x2(wrong_b.x, bt_s + (lane % 8) * kLd + 1);
+  if (p.misuse == 3) ldmatrix_x2_trans(wrong_b.x, b + (lane % 16) * 8);
+  (void)wrong_a, (void)wrong_b;
   for (int e = 0; e < 8; ++e) p.a_frag[lane * 8 + e] = unpack<T>(fa.x[e / 2], e % 2);
   for (int e = 0; e < 4; ++e) {
     p.b_frag[lane * 4 + e] = unpack<T>(fb.x[e / 2], e % 2);
@@ -72,6 +79,7 @@ void launch_mma_probe(const MmaProbe& probe, DType dtype, cudaStream_t stream) {
       CUDA_CHECK_LAUNCH();
     }
   });
+  kernels::throw_on_emulation_fault(stream, "mma_probe_kernel");
 }
 
 }  // namespace cp::testing

@@ -18,6 +18,10 @@ struct MmaProbe {
   float* bt_frag;  ///< [32][4]: ldmatrix_x2_trans from B ([k][n], as V is stored) in shared memory
   float* d_map;    ///< [16][8]: A·B + C from fragments each lane reads from global memory by the map
   float* d_ld;     ///< [16][8]: the same product from the ldmatrix fragments
+  /// A mistake the probe makes on purpose after its loads, to show CUDA on the CPU refusing it as
+  /// a GPU would: 0 none, 1 ldmatrix_x4 of A from global memory, 2 ldmatrix_x2 of a row address
+  /// 2 bytes past a 16-byte boundary, 3 ldmatrix_x2_trans from global memory.
+  int misuse = 0;
 };
 
 /// Runs the probe with one warp; dtype Float16 or BFloat16.
