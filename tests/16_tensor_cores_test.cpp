@@ -16,6 +16,7 @@
 #include "testing/device_buffer.h"
 #include "testing/harness.h"
 #include "testing/oracle.h"
+#include "attention_kernel_suite.h"
 
 #if CP_WITH_CUDA
 #include "16_tensor_cores_probes.cuh"
@@ -31,61 +32,11 @@ using testing::OracleMask;
 
 const std::vector<std::string> kDims = {"b", "h", "s", "d"};
 
-struct Case {
-  int64_t batch, heads_q, heads_kv, seq_q, seq_k, head_dim;
-};
-
-struct Inputs {
-  torch::Tensor q, k, v;  // in the dtype under test, on the CPU
-};
-
-Inputs random_inputs(const Case& c, torch::ScalarType dtype, uint64_t seed) {
-  auto make = [&](int64_t heads, int64_t seq, uint64_t salt) {
-    return testing::random_with_outliers({c.batch, heads, seq, c.head_dim}, seed * 3 + salt, 1.0, 0.0).to(dtype);
-  };
-  return {make(c.heads_q, c.seq_q, 0), make(c.heads_kv, c.seq_k, 1), make(c.heads_kv, c.seq_k, 2)};
-}
-
 #if CP_WITH_CUDA
+using testing::KernelCase;
+using testing::KernelInputs;
 
-AttnResult run_kernel(const Inputs& in, const OracleMask& mask, double scale) {
-  AttentionMask am;
-  am.causal = mask.causal;
-  am.q_positions = mask.q_pos;
-  am.k_positions = mask.k_pos;
-  am.window = mask.window;
-  am.documents = mask.documents;
-  const VisibleKeys keys = visible_keys(am, mask.q_pos);
-  const BlockAttentionParams p{in.q.size(0), in.q.size(1), in.k.size(1), in.q.size(2), in.k.size(2), in.q.size(3),
-                               static_cast<float>(scale), keys.masked};
-  CudaStream stream;
-  DeviceBuffer q(in.q), k(in.k), v(in.v), k_pos(mask.k_pos);
-  DeviceBuffer first(keys.masked ? keys.first : mask.q_pos), last(keys.masked ? keys.last : mask.q_pos);
-  DeviceBuffer out(in.q.sizes().vec(), in.q.scalar_type()), lse({p.batch, p.heads_q, p.seq_q}, torch::kFloat);
-  launch_tensor_core_attention_forward(q.get(), k.get(), v.get(), out.get(), lse.as<float>(), first.as<int64_t>(),
-                                       last.as<int64_t>(), k_pos.as<int64_t>(), p, kernel_dtype(in.q, "q"),
-                                       stream.get());
-  return {out.to_host(stream.get()), lse.to_host(stream.get())};
-}
-
-void check_kernel_on(const Case& c, const Inputs& in, OracleMask mask, torch::ScalarType dtype, double scale,
-                     const std::string& what) {
-  if (!mask.q_pos.defined()) mask.q_pos = torch::arange(c.seq_q);
-  if (!mask.k_pos.defined()) mask.k_pos = torch::arange(c.seq_k);
-  const auto [out, lse] = testing::oracle_attention(in.q.to(torch::kDouble), in.k.to(torch::kDouble),
-                                                    in.v.to(torch::kDouble), mask, scale);
-  const AttnResult got = run_kernel(in, mask, scale);
-  const std::string name = what + ", " + std::string(dtype == torch::kHalf ? "float16" : "bfloat16") + ", B" +
-                           std::to_string(c.batch) + " Hq" + std::to_string(c.heads_q) + " Hkv" +
-                           std::to_string(c.heads_kv) + " Sq" + std::to_string(c.seq_q) + " Sk" +
-                           std::to_string(c.seq_k) + " D" + std::to_string(c.head_dim);
-  CP_EXPECT_CLOSE(got.out, out, "out, " + name, kDims, matrix_unit_tolerance(in.v));
-  CP_EXPECT_CLOSE(got.lse, lse, "lse, " + name, {"b", "h", "s"});
-}
-
-void check_kernel(const Case& c, const OracleMask& mask, torch::ScalarType dtype, uint64_t seed, const std::string& what) {
-  check_kernel_on(c, random_inputs(c, dtype, seed), mask, dtype, 1.0 / std::sqrt(static_cast<double>(c.head_dim)), what);
-}
+const testing::AttentionLaunch kLesson16 = launch_tensor_core_attention_forward;
 
 // ── Task 1 and task 2 alone: probe kernels run one step on known tiles ───────────────────────
 
@@ -222,69 +173,36 @@ CP_TEST(Lesson16Kernels, Task2_OnlineSoftmaxOnFragmentsFollowsTheDefinition) {
 
 CP_TEST(Lesson16Kernels, Task3_KernelMatchesTheOracleForEveryDtypeHeadDimAndGroup) {
   CP_REQUIRE_CUDA_RUNTIME();
-  const std::vector<Case> cases = {
-      {1, 1, 1, 1, 1, 64},     // one query, one key
-      {2, 4, 2, 70, 130, 64},  // GQA 2, neither length a multiple of a tile
-      {1, 8, 1, 64, 64, 128},  // MQA, exactly one tile
-      {1, 4, 4, 17, 200, 128}, // fewer queries than a warp's 16 rows in the last block, four key tiles
-  };
-  uint64_t seed = 160;
-  for (auto dtype : {torch::kHalf, torch::kBFloat16})
-    for (const Case& c : cases)
-      for (bool causal : {false, true}) check_kernel(c, {causal, {}, {}}, dtype, seed++, causal ? "causal" : "full");
+  testing::expect_kernel_for_every_dtype_head_dim_and_group(kLesson16, "lesson 16");
 }
 
 CP_TEST(Lesson16Kernels, Task3_KernelCausalMaskFromGlobalPositions) {
   CP_REQUIRE_CUDA_RUNTIME();
-  const int64_t s = 150;  // three 64-row blocks and three 64-key tiles, a multiple of neither
-  for (const testing::PositionLayout& layout : testing::causal_position_layouts(s))
-    for (int64_t d : {64, 128})
-      check_kernel({1, 4, 2, s, s, d}, {true, layout.q_pos, layout.k_pos}, d == 64 ? torch::kBFloat16 : torch::kHalf,
-                   161, layout.name);
+  testing::expect_kernel_causal_mask_from_global_positions(kLesson16, "lesson 16");
 }
 
 CP_TEST(Lesson16Kernels, Task3_KernelWindowsAndDocuments) {
   CP_REQUIRE_CUDA_RUNTIME();
-  const int64_t s = 150;
-  for (const auto& [name, mask] : testing::window_and_document_masks(s))
-    for (auto dtype : {torch::kHalf, torch::kBFloat16}) check_kernel({1, 4, 2, s, s, 64}, mask, dtype, 162, name);
+  testing::expect_kernel_windows_and_documents(kLesson16, "lesson 16");
 }
 
 CP_TEST(Lesson16Kernels, Task3_KernelRowsFarFromZeroAndMaximaThatRise) {
   CP_REQUIRE_CUDA_RUNTIME();
-  // Keys share a large first dim, and a query's first dim sets its row's level: rows whose scores
-  // all lie near −100 or below (a maximum started at 0 underflows every p), near +100 (exp without
-  // the maximum overflows), and, through a second dim that grows with the key, rows whose maximum
-  // rises from tile to tile. With a scale of the caller's, not 1/√D.
-  const Case c{1, 2, 1, 80, 200, 64};
-  const double scale = 0.2;
-  for (auto dtype : {torch::kHalf, torch::kBFloat16}) {
-    Inputs in = random_inputs(c, dtype, 166);
-    torch::Tensor q = in.q.to(torch::kFloat), k = in.k.to(torch::kFloat);
-    k.select(3, 0).fill_(8.0);
-    k.select(3, 1).copy_(torch::linspace(-8, 8, c.seq_k).view({1, 1, c.seq_k}));
-    q.select(3, 0).zero_();
-    q.select(3, 1).zero_();
-    q.narrow(2, 0, 16).select(3, 0).fill_(-70.0);     // rows 0-15: scores about −112
-    q.narrow(2, 16, 16).select(3, 0).fill_(70.0);     // rows 16-31: about +112
-    q.narrow(2, 32, 16).select(3, 1).fill_(6.0);      // rows 32-47: rising by 4.8 a tile
-    in.q = q.to(dtype);
-    in.k = k.to(dtype);
-    check_kernel_on(c, in, {false, {}, {}}, dtype, scale, "scores far from 0, rising maxima, scale 0.2");
-    check_kernel_on(c, in, {true, {}, {}}, dtype, scale, "causal, scores far from 0, rising maxima, scale 0.2");
-  }
+  testing::expect_kernel_rows_far_from_zero(kLesson16, "lesson 16");
 }
 
 CP_TEST(Lesson16Kernels, Task3_KernelRejectsFloat32AndOtherHeadDims) {
   CP_REQUIRE_CUDA_RUNTIME();
-  check_kernel({1, 1, 1, 4, 4, 64}, {false, {}, {}}, torch::kHalf, 163, "counts once implemented");
-  const Inputs f32 = random_inputs({1, 1, 1, 4, 4, 64}, torch::kFloat, 1);
-  expect_error([&] { run_kernel(f32, {false, torch::arange(4), torch::arange(4)}, 0.125); },
+  testing::expect_kernel_matches_oracle(kLesson16, {1, 1, 1, 4, 4, 64}, {false, {}, {}}, torch::kHalf, 163,
+                                        "counts once implemented");
+  const KernelInputs f32 = testing::random_kernel_inputs({1, 1, 1, 4, 4, 64}, torch::kFloat, 1);
+  expect_error([&] { testing::run_attention_kernel(kLesson16, f32, {false, torch::arange(4), torch::arange(4)}, 0.125); },
                "the matrix units take float16 or bfloat16, got float32");
-  const Inputs d32 = random_inputs({1, 1, 1, 4, 4, 32}, torch::kHalf, 1);
-  expect_error([&] { run_kernel(d32, {false, torch::arange(4), torch::arange(4)}, 0.125); }, "unsupported head dim 32");
+  const KernelInputs d32 = testing::random_kernel_inputs({1, 1, 1, 4, 4, 32}, torch::kHalf, 1);
+  expect_error([&] { testing::run_attention_kernel(kLesson16, d32, {false, torch::arange(4), torch::arange(4)}, 0.125); },
+               "unsupported head dim 32");
   // q one element past a 16-byte boundary (a view into the middle of a row): the loads need 16.
-  const Inputs in = random_inputs({1, 1, 1, 4, 4, 64}, torch::kHalf, 1);
+  const KernelInputs in = testing::random_kernel_inputs({1, 1, 1, 4, 4, 64}, torch::kHalf, 1);
   CudaStream stream;
   DeviceBuffer q(in.q), k(in.k), v(in.v), pos(torch::arange(4));
   DeviceBuffer out(in.q.sizes().vec(), in.q.scalar_type()), lse({1, 1, 4}, torch::kFloat);
@@ -310,9 +228,9 @@ CP_KERNEL_TESTS_NEED_CUDA(Lesson16Kernels)
 
 CP_TEST(Lesson16Cuda, Task3_ForwardOnCudaTensorsMatchesTheOracle) {
   CP_REQUIRE_GPU();
-  const Case c{2, 8, 2, 300, 300, 128};
+  const testing::KernelCase c{2, 8, 2, 300, 300, 128};
   for (auto dtype : {torch::kHalf, torch::kBFloat16}) {
-    const Inputs in = random_inputs(c, dtype, 164);
+    const testing::KernelInputs in = testing::random_kernel_inputs(c, dtype, 164);
     const double scale = 1.0 / std::sqrt(128.0);
     const auto [out, lse] = testing::oracle_attention(in.q.to(torch::kDouble), in.k.to(torch::kDouble),
                                                       in.v.to(torch::kDouble), true, torch::arange(c.seq_q),
@@ -333,8 +251,8 @@ struct TensorCoresInScope {
 
 CP_TEST(Lesson16Cuda, Task3_UseTensorCoresRunsLesson03sForwardAndTheRingsOnTheMatrixUnits) {
   CP_REQUIRE_GPU();
-  const Case c{1, 4, 2, 192, 192, 64};
-  const Inputs in = random_inputs(c, torch::kBFloat16, 165);
+  const testing::KernelCase c{1, 4, 2, 192, 192, 64};
+  const testing::KernelInputs in = testing::random_kernel_inputs(c, torch::kBFloat16, 165);
   const torch::Tensor q = in.q.cuda(), k = in.k.cuda(), v = in.v.cuda();
   const AttnResult lesson03 = attention_block_forward(q, k, v, causal_mask(true));
   const AttnResult float32_before = attention_block_forward(q.to(torch::kFloat), k.to(torch::kFloat),
