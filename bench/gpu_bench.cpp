@@ -1,7 +1,8 @@
 // What a GPU day measures (tools/gpu-check runs it on a lent GPU): two '#'-headed tables.
 //
 //   attention  the course's block attention (lesson 03 forward, lesson 05 backward, and for
-//              16-bit inputs lesson 16's forward on the matrix units, row fwd-tc) in TFLOP/s
+//              16-bit inputs lesson 16's forward on the matrix units, row fwd-tc, and each later
+//              version of lesson 17's ladder, rows fwd-v2, fwd-v3, …) in TFLOP/s
 //              beside at::scaled_dot_product_attention, PyTorch's fused attention, on the same
 //              inputs and the same GPU: float32 and bfloat16, D = 64 and 128, S = 4k to 16k,
 //              causal and not; the relative error of each against the other.
@@ -44,6 +45,9 @@
 #endif
 #if CP_TORCH_CUDA
 #include <cuda_runtime_api.h>
+
+#include "common/device.h"
+#include "fast_forward.cuh"
 #endif
 
 namespace {
@@ -56,6 +60,26 @@ torch::ScalarType dtype_of(const std::string& name) {
   CP_CHECK(dtype != torch::kDouble, "--dtypes: the kernels take float32, float16 or bfloat16, got float64");
   return dtype;
 }
+
+#if CP_TORCH_CUDA
+/// Lesson 17's version `version` on contiguous CUDA tensors [1, H, S, D] of 16 bits, positions
+/// 0 … S − 1: its kernel launched directly, with lesson 03's visible ranges.
+cp::AttnResult fast_forward_version(int version, const torch::Tensor& q, const torch::Tensor& k,
+                                    const torch::Tensor& v, const cp::AttentionMask& mask) {
+  const int64_t h = q.size(1), s = q.size(2), d = q.size(3);
+  const torch::Tensor positions = torch::arange(s, q.options().dtype(torch::kLong));
+  const cp::VisibleKeys keys = cp::visible_keys(mask, positions);
+  cp::AttnResult result{torch::empty_like(q), torch::empty({1, h, s}, q.options().dtype(torch::kFloat))};
+  const cp::BlockAttentionParams params{1, h, h, s, s, d, static_cast<float>(1.0 / std::sqrt(static_cast<double>(d))),
+                                        keys.masked};
+  cp::launch_fast_forward(version, q.data_ptr(), k.data_ptr(), v.data_ptr(), result.out.data_ptr(),
+                          result.lse.data_ptr<float>(), keys.masked ? keys.first.data_ptr<int64_t>() : nullptr,
+                          keys.masked ? keys.last.data_ptr<int64_t>() : nullptr, positions.data_ptr<int64_t>(), params,
+                          q.scalar_type() == torch::kHalf ? cp::DType::Float16 : cp::DType::BFloat16,
+                          cp::current_cuda_stream());
+  return result;
+}
+#endif
 
 /// Waits for the device's queued work (the GPU's, timed from the host), nothing on the CPU.
 void sync(const torch::Device& device) {
@@ -138,6 +162,19 @@ void attention_table(const torch::Device& device, const std::vector<std::string>
                  },
                  sdpa_forward});
             row("fwd-tc", fwd_flop, tc_ms, relative_error(tc.out, sdpa_out));
+#if CP_TORCH_CUDA
+            for (int version = 2; version <= cp::kFastForwardVersions; ++version) {  // lesson 17's ladder
+              cp::AttnResult ff;
+              const std::vector<double> ff_ms = cp::bench::median_ms(
+                  repeats, true,
+                  {[&] {
+                     ff = fast_forward_version(version, q, k, v, mask);
+                     sync(device);
+                   },
+                   sdpa_forward});
+              row(("fwd-v" + std::to_string(version)).c_str(), fwd_flop, ff_ms, relative_error(ff.out, sdpa_out));
+            }
+#endif
           }
 
           cp::AttnGrads grads;

@@ -1,7 +1,7 @@
 // Copies from global to shared memory that run while the warps compute (cp.async, sm_80 and
-// newer): a thread issues 16-byte copies, closes them into a group with commit(), and wait<N>()
-// returns once at most N of its groups are still in flight. A __syncthreads() after the wait makes
-// every thread's finished copies visible to the whole block. FlashAttention-2's kernels load the
+// newer): a thread issues 16-byte copies, closes them into a group with commit(), and waits for
+// all its groups (wait_all) or all but the newest (wait_all_but_newest). A __syncthreads() after
+// the wait makes every thread's finished copies visible to the whole block. FlashAttention-2's kernels load the
 // next tiles of K and V this way while the matrix units work on the current ones.
 //
 // Under CUDA on the CPU there is no cp.async. AsyncCopies keeps each thread's copies and performs
@@ -60,8 +60,14 @@ class AsyncCopies {
 #endif
   }
 
-  /// Returns once at most kPending of this thread's committed groups are still in flight: the
-  /// older ones have landed in shared memory (visible to other threads after a __syncthreads()).
+  /// Returns once every committed group of this thread has landed in shared memory (visible to
+  /// the other threads after a __syncthreads()).
+  __device__ __forceinline__ void wait_all() { wait<0>(); }
+  /// Returns once every committed group but the newest has landed: the newest may still fly.
+  __device__ __forceinline__ void wait_all_but_newest() { wait<1>(); }
+
+ private:
+  /// cp.async.wait_group kPending: at most kPending groups still in flight.
   template <int kPending>
   __device__ __forceinline__ void wait() {
 #if CP_ASYNC_PTX
@@ -78,7 +84,6 @@ class AsyncCopies {
 #endif
   }
 
- private:
 #if !CP_ASYNC_PTX
   void* dst_[kMaxInFlight];
   const void* src_[kMaxInFlight];

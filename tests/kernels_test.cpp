@@ -116,7 +116,8 @@ CP_KERNEL_TESTS_NEED_CUDA(KernelsMmaKernels)
 #endif
 
 #if CP_WITH_CUDA
-/// Runs the async-copy probe on src [2, 256]; returns shared memory after wait<1> and after wait<0>.
+/// Runs the async-copy probe on src [2, 256]; returns shared memory after wait_all_but_newest and
+/// after wait_all.
 std::pair<torch::Tensor, torch::Tensor> run_async_copy_probe(const torch::Tensor& src, int misuse = 0) {
   CudaStream stream;
   DeviceBuffer src_dev(src), after1({2, 256}, torch::kFloat), after0({2, 256}, torch::kFloat);
@@ -129,14 +130,14 @@ CP_TEST(KernelsAsyncCopyKernels, AGroupHasLandedOnceItsWaitReturns) {
   CP_REQUIRE_CUDA_RUNTIME();
   const torch::Tensor src = torch::arange(512, torch::kFloat).view({2, 256});
   const auto [after1, after0] = run_async_copy_probe(src);
-  EXPECT_TRUE(torch::equal(after1[0], src[0])) << "after wait<1>, group 0 (tile 0) must have landed: got\n"
-                                               << after1[0];
-  EXPECT_TRUE(torch::equal(after0, src)) << "after wait<0>, both groups must have landed: got\n" << after0;
+  EXPECT_TRUE(torch::equal(after1[0], src[0]))
+      << "after wait_all_but_newest, group 0 (tile 0) must have landed: got\n" << after1[0];
+  EXPECT_TRUE(torch::equal(after0, src)) << "after wait_all, both groups must have landed: got\n" << after0;
 #if defined(CP_CUDA_CPU_ROOT)
   // The emulation lands a group only when a wait retires it: a kernel that reads tile 1 after
-  // wait<1> reads the old bytes here (on a GPU it may read them, or the new ones, or a mix).
+  // wait_all_but_newest reads the old bytes here (on a GPU it may read them, or the new ones, or a mix).
   EXPECT_TRUE(torch::equal(after1[1], torch::full({256}, -1.0f)))
-      << "after wait<1>, the emulation must not have landed group 1 yet: got\n" << after1[1];
+      << "after wait_all_but_newest, the emulation must not have landed group 1 yet: got\n" << after1[1];
   testing::expect_errors({
       {"cp.async into global memory", [&] { run_async_copy_probe(src, 1); },
        "cp.async wrote outside the shared memory the kernel declared"},

@@ -27,11 +27,11 @@ __global__ void async_copy_probe_kernel(AsyncCopyProbe p) {
   }
   if (p.misuse == 1) copies.copy16(p.after_wait1, p.src);
   if (p.misuse == 2) copies.copy16(tiles + 1, p.src);
-  copies.wait<1>();
+  copies.wait_all_but_newest();
   __syncthreads();  // every thread's group 0 landed before anyone reads it
   for (int i = lane; i < 2 * kTile; i += kernels::kWarpSize) p.after_wait1[i] = tiles[i];
   __syncthreads();  // every thread has read its snapshot before group 1 may land
-  copies.wait<0>();
+  copies.wait_all();
   __syncthreads();
   for (int i = lane; i < 2 * kTile; i += kernels::kWarpSize) p.after_wait0[i] = tiles[i];
 }

@@ -9,8 +9,8 @@ namespace cp::testing {
 /// Every pointer is device memory.
 struct AsyncCopyProbe {
   const float* src;         ///< [2][256]: tile 0 (group 0), tile 1 (group 1)
-  float* after_wait1;       ///< [2][256]: shared memory after wait<1> (group 0 must have landed)
-  float* after_wait0;       ///< [2][256]: shared memory after wait<0> (both)
+  float* after_wait1;       ///< [2][256]: shared memory after wait_all_but_newest (group 0 must have landed)
+  float* after_wait0;       ///< [2][256]: shared memory after wait_all (both)
   /// A mistake the probe makes on purpose: 0 none, 1 a copy into global memory, 2 a copy to a
   /// shared address 4 bytes past a 16-byte boundary.
   int misuse = 0;
