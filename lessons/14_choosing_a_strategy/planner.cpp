@@ -279,6 +279,8 @@ std::vector<int64_t> llama3_pairs(int64_t seq, int world) {
 
 }  // namespace
 
+double forward_causal_tflops(const Cluster& cluster, double tokens) { return forward_causal(tokens, cluster); }
+
 Prediction predict(const Candidate& candidate, const AttentionShape& s, const Cluster& c) {
   const int pu = candidate.mesh.ulysses, pr = candidate.mesh.ring, p = pu * pr;
   CP_CHECK(p == c.gpus(), "candidate: the mesh ", pu, " x ", pr, " has ", p, " GPUs, the cluster '", c.name,

@@ -286,7 +286,8 @@ int64_t prefill_bytes(PrefillVariant variant, const std::vector<int64_t>& cached
 }
 
 PrefillResult pass_kv_prefill(Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                              const torch::Tensor& positions, KvCacheShard& cache, std::optional<double> scale) {
+                              const torch::Tensor& positions, KvCacheShard& cache, std::optional<double> scale,
+                              Trace* trace) {
   const Agreed agreed = check_prefill_inputs(comm, q, k, v, positions, cache);
   const int p = comm.size(), rank = comm.rank(), next = (rank + 1) % p, prev = (rank + p - 1) % p;
   PrefillResult result;
@@ -294,14 +295,15 @@ PrefillResult pass_kv_prefill(Comm& comm, const torch::Tensor& q, const torch::T
   // TODO(lesson 15, task 2): this rank's K/V (its cache shard and its new tokens, with their positions)
   // around the ring; the new queries attend every block with the causal mask of global positions; the
   // new k, v end in the cache. README, "Task 2".
-  (void)agreed, (void)next, (void)prev, (void)scale, (void)result;
+  (void)agreed, (void)next, (void)prev, (void)scale, (void)trace, (void)result;
   throw NotImplemented("lesson 15, task 2: pass_kv_prefill");
   // END YOUR CODE
   return result;
 }
 
 PrefillResult pass_q_prefill(Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                             const torch::Tensor& positions, KvCacheShard& cache, std::optional<double> scale) {
+                             const torch::Tensor& positions, KvCacheShard& cache, std::optional<double> scale,
+                             Trace* trace) {
   const Agreed agreed = check_prefill_inputs(comm, q, k, v, positions, cache);
   const int p = comm.size(), rank = comm.rank(), next = (rank + 1) % p, prev = (rank + p - 1) % p;
   PrefillResult result;
@@ -309,7 +311,7 @@ PrefillResult pass_q_prefill(Comm& comm, const torch::Tensor& q, const torch::Te
   // TODO(lesson 15, task 3): append the new k, v to the cache; the queries (with their positions) around
   // the ring, each rank attending the visitors with its own K/V; each partial (out, lse) back to the
   // queries' owner, which merges them. README, "Task 3".
-  (void)agreed, (void)next, (void)prev, (void)scale, (void)result;
+  (void)agreed, (void)next, (void)prev, (void)scale, (void)trace, (void)result;
   throw NotImplemented("lesson 15, task 3: pass_q_prefill");
   // END YOUR CODE
   return result;

@@ -58,6 +58,7 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ int64_t block_first, block_last;
   __shared__ int tile_seen[2];  // some key of the tile is within [block_first, block_last] (masked)
   static_assert(kBr == kBc, "the Q tile borrows the K tile's shared memory");
+  kernels::declare_shared(tiles_raw, sizeof tiles_raw);  // what ldmatrix may read (CUDA on the CPU checks)
 
   const int64_t bh = blockIdx.x, b = bh / p.heads_q, h = bh % p.heads_q;
   const int64_t bh_kv = b * p.heads_kv + h / (p.heads_q / p.heads_kv);
@@ -174,6 +175,7 @@ void launch_tensor_core_attention_forward(const void* q, const void* k, const vo
       else launch<T, 128>(q, k, v, out, lse, q_first, q_last, k_pos, p, stream);
     }
   });
+  kernels::throw_on_emulation_fault(stream, "tensor_core_attention_kernel");
 }
 
 }  // namespace cp
