@@ -57,6 +57,16 @@ torch::Tensor reference_prefill_positions(int64_t first, int64_t count, int worl
   return torch::tensor(mine, torch::kLong);
 }
 
+/// An int64 vector on one line, "[0, 4, 8, … (37 in all)]": a failure message stays short.
+std::string positions_text(const torch::Tensor& positions) {
+  const torch::Tensor p = positions.cpu().contiguous();
+  std::string text = "[";
+  for (int64_t i = 0; i < std::min<int64_t>(p.numel(), 8); ++i)
+    text += (i ? ", " : "") + std::to_string(p[i].item<int64_t>());
+  if (p.numel() > 8) text += ", … (" + std::to_string(p.numel()) + " in all)";
+  return text + "]";
+}
+
 /// Positions rank r of N holds of the first `length` tokens when each went to rank t mod N.
 torch::Tensor held_round_robin(int64_t length, int world, int rank) {
   return torch::arange(rank, std::max<int64_t>(length, rank), world, torch::kLong);
@@ -79,7 +89,9 @@ CP_TEST(Lesson15, Task1_PrefillPositionsSplitTheNewTokensEvenly) {
           const torch::Tensor mine = prefill_positions(first, count, world, r);
           const std::string at = "first " + std::to_string(first) + ", count " + std::to_string(count) + ", rank " +
                                  std::to_string(r) + " of " + std::to_string(world);
-          EXPECT_TRUE(torch::equal(mine, reference_prefill_positions(first, count, world, r))) << at << ": " << mine;
+          EXPECT_TRUE(torch::equal(mine, reference_prefill_positions(first, count, world, r)))
+              << at << ": got " << positions_text(mine) << ", expected "
+              << positions_text(reference_prefill_positions(first, count, world, r));
           all.push_back(mine);
         }
         EXPECT_TRUE(torch::equal(std::get<0>(torch::cat(all).sort()), torch::arange(first, first + count)))
@@ -153,8 +165,8 @@ void expect_prefill_matches_one_device(Comm& world, Prefill prefill, PrefillVari
     CP_EXPECT_CLOSE(r.lse, lse.index_select(2, mine), "lse, " + at, {"b", "h", "s"});
     // The new K/V stay with the rank that computed them, after what it cached before.
     EXPECT_TRUE(torch::equal(cache.positions, torch::cat({cached_before, mine})))
-        << at << ": the cache's positions are " << cache.positions << ", expected the ones cached before, then "
-        << "the new ones this rank computed: " << torch::cat({cached_before, mine});
+        << at << ": the cache's positions are " << positions_text(cache.positions) << ", expected the ones cached "
+        << "before, then the new ones this rank computed: " << positions_text(torch::cat({cached_before, mine}));
     EXPECT_TRUE(torch::equal(cache.k, at_positions(seq.k, cache.positions))) << at << ": the cache's keys";
     EXPECT_TRUE(torch::equal(cache.v, at_positions(seq.v, cache.positions))) << at << ": the cache's values";
     std::vector<int64_t> cached, fresh;
@@ -419,8 +431,8 @@ void expect_decode_matches_one_device(Comm& comm, DecodeMerge merge, std::option
     for (int64_t b = 0; b < batch; ++b) {
       const torch::Tensor held = held_round_robin(at[b] + 1, comm.size(), comm.rank());
       EXPECT_TRUE(torch::equal(caches[b].positions, held))
-          << what << ", sequence " << b << ": the cache's positions are " << caches[b].positions << ", expected "
-          << held << " (each decoded token in the shard of decode_owner, and only there)";
+          << what << ", sequence " << b << ": the cache's positions are " << positions_text(caches[b].positions)
+          << ", expected " << positions_text(held) << " (each decoded token in the shard of decode_owner, and only there)";
       expect_cache_holds(caches[b], seqs[b], torch::empty({0}, torch::kLong), what + ", sequence " + std::to_string(b));
     }
     if (step == 1) {  // the fork takes the next positions' tokens negated; the batch takes them next step
