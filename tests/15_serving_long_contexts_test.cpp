@@ -215,7 +215,8 @@ CP_TEST(Lesson15, Task2_PassKvMatchesOneDevice) {
 }
 
 CP_TEST(Lesson15, Task2_PassKvComputesWhileTheNextBlockTravels) {
-  for_each_world([](Comm& comm) { expect_steps_overlap_their_transfers(comm, pass_kv_prefill, PrefillVariant::PassKV); });
+  for_each_world(
+      [](Comm& comm) { expect_steps_overlap_their_transfers(comm, pass_kv_prefill, PrefillVariant::PassKV); });
 }
 
 CP_TEST(Lesson15, Task3_PassQMatchesOneDevice) {
@@ -255,9 +256,11 @@ void expect_chunked_prefill_in_float64(Comm& comm, Prefill prefill) {
   const torch::Tensor a = reference_prefill_positions(0, first, comm.size(), comm.rank());
   const torch::Tensor b = reference_prefill_positions(first, second, comm.size(), comm.rank());
   auto pick = [](const torch::Tensor& t, const torch::Tensor& pos) { return t.index_select(2, pos); };
-  const PrefillResult r1 = prefill(comm, pick(seq.q, a), pick(seq.k, a), pick(seq.v, a), a, cache, std::nullopt, nullptr);
+  const PrefillResult r1 =
+      prefill(comm, pick(seq.q, a), pick(seq.k, a), pick(seq.v, a), a, cache, std::nullopt, nullptr);
   CP_EXPECT_CLOSE(r1.out, pick(out, a), "out of the first prefill, " + where(comm), kDims);
-  const PrefillResult r2 = prefill(comm, pick(seq.q, b), pick(seq.k, b), pick(seq.v, b), b, cache, std::nullopt, nullptr);
+  const PrefillResult r2 =
+      prefill(comm, pick(seq.q, b), pick(seq.k, b), pick(seq.v, b), b, cache, std::nullopt, nullptr);
   CP_EXPECT_CLOSE(r2.out, pick(out, b), "out of the second prefill, " + where(comm), kDims);
   CP_EXPECT_CLOSE(r2.lse, pick(lse, b), "lse of the second prefill, " + where(comm), {"b", "h", "s"});
   EXPECT_EQ(r2.out.scalar_type(), torch::kDouble) << "out keeps q's dtype";
@@ -432,7 +435,8 @@ void expect_decode_matches_one_device(Comm& comm, DecodeMerge merge, std::option
       const torch::Tensor held = held_round_robin(at[b] + 1, comm.size(), comm.rank());
       EXPECT_TRUE(torch::equal(caches[b].positions, held))
           << what << ", sequence " << b << ": the cache's positions are " << positions_text(caches[b].positions)
-          << ", expected " << positions_text(held) << " (each decoded token in the shard of decode_owner, and only there)";
+          << ", expected " << positions_text(held)
+          << " (each decoded token in the shard of decode_owner, and only there)";
       expect_cache_holds(caches[b], seqs[b], torch::empty({0}, torch::kLong), what + ", sequence " + std::to_string(b));
     }
     if (step == 1) {  // the fork takes the next positions' tokens negated; the batch takes them next step

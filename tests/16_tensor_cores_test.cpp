@@ -196,10 +196,11 @@ CP_TEST(Lesson16Kernels, Task3_KernelRejectsFloat32AndOtherHeadDims) {
   testing::expect_kernel_matches_oracle(kLesson16, {1, 1, 1, 4, 4, 64}, {false, {}, {}}, torch::kHalf, 163,
                                         "counts once implemented");
   const KernelInputs f32 = testing::random_kernel_inputs({1, 1, 1, 4, 4, 64}, torch::kFloat, 1);
-  expect_error([&] { testing::run_attention_kernel(kLesson16, f32, {false, torch::arange(4), torch::arange(4)}, 0.125); },
+  const OracleMask four{false, torch::arange(4), torch::arange(4)};
+  expect_error([&] { testing::run_attention_kernel(kLesson16, f32, four, 0.125); },
                "the matrix units take float16 or bfloat16, got float32");
   const KernelInputs d32 = testing::random_kernel_inputs({1, 1, 1, 4, 4, 32}, torch::kHalf, 1);
-  expect_error([&] { testing::run_attention_kernel(kLesson16, d32, {false, torch::arange(4), torch::arange(4)}, 0.125); },
+  expect_error([&] { testing::run_attention_kernel(kLesson16, d32, four, 0.125); },
                "unsupported head dim 32");
   // q one element past a 16-byte boundary (a view into the middle of a row): the loads need 16.
   const KernelInputs in = testing::random_kernel_inputs({1, 1, 1, 4, 4, 64}, torch::kHalf, 1);

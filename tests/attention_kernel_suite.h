@@ -107,7 +107,8 @@ inline void expect_kernel_for_every_dtype_head_dim_and_group(const AttentionLaun
   for (auto dtype : {torch::kHalf, torch::kBFloat16})
     for (const KernelCase& c : cases)
       for (bool causal : {false, true})
-        expect_kernel_matches_oracle(launch, c, {causal, {}, {}}, dtype, seed++, who + (causal ? ", causal" : ", full"));
+        expect_kernel_matches_oracle(launch, c, {causal, {}, {}}, dtype, seed++,
+                                     who + (causal ? ", causal" : ", full"));
 }
 
 /// The rings' position layouts (rows that see no key included), D = 64 and 128.
@@ -148,7 +149,8 @@ inline void expect_kernel_rows_far_from_zero(const AttentionLaunch& launch, cons
     in.k = k.to(dtype);
     for (bool causal : {false, true})
       expect_kernel_matches_oracle(launch, c, in, {causal, {}, {}}, scale,
-                                   who + (causal ? ", causal" : ", full") + ", scores far from 0, rising maxima, scale 0.2");
+                                   who + (causal ? ", causal" : ", full") +
+                                       ", scores far from 0, rising maxima, scale 0.2");
   }
 }
 

@@ -63,14 +63,16 @@ void compare_kernels(int64_t seq, int64_t dim) {
     const auto shape = std::vector<int64_t>{1, 2, seq, dim};
     const torch::Tensor q = torch::randn(shape).to(dtype), k = torch::randn(shape).to(dtype),
                         v = torch::randn(shape).to(dtype);
-    const auto [out64, lse64] = float64_attention(q.to(torch::kDouble), k.to(torch::kDouble), v.to(torch::kDouble), scale);
+    const auto [out64, lse64] =
+        float64_attention(q.to(torch::kDouble), k.to(torch::kDouble), v.to(torch::kDouble), scale);
     const torch::Tensor positions = torch::arange(seq, torch::kLong);
     const cp::BlockAttentionParams p{1, 2, 2, seq, seq, dim, static_cast<float>(scale), true};
     const cp::DType kernel_type = dtype == torch::kHalf ? cp::DType::Float16 : cp::DType::BFloat16;
     const double u = std::ldexp(1.0, dtype == torch::kHalf ? -11 : -8);
     const std::string name = dtype == torch::kHalf ? "float16" : "bfloat16";
-    for (const auto& [label, launch] : {std::pair<const char*, Launch>{"lesson 03", cp::launch_block_attention_forward},
-                                        std::pair<const char*, Launch>{"matrix units", cp::launch_tensor_core_attention_forward}}) {
+    const std::pair<const char*, Launch> kernels[] = {{"lesson 03", cp::launch_block_attention_forward},
+                                                      {"matrix units", cp::launch_tensor_core_attention_forward}};
+    for (const auto& [label, launch] : kernels) {
       cp::CudaStream stream;
       cp::DeviceBuffer dq(q), dk(k), dv(v), first(torch::zeros({seq}, torch::kLong)), last(positions), kpos(positions);
       cp::DeviceBuffer out(shape, dtype), lse({1, 2, seq}, torch::kFloat);
@@ -90,7 +92,8 @@ void compare_kernels(int64_t seq, int64_t dim) {
     }
   }
   std::printf("out_err, lse_err: largest |kernel - float64|. u: the dtype's unit roundoff. ms/call: %s.\n",
-              cp::cuda_unavailable_reason().empty() ? "this GPU" : "CUDA on the CPU, a check of the numbers and not of a GPU's speed");
+              cp::cuda_unavailable_reason().empty() ? "this GPU"
+                                                    : "CUDA on the CPU, a check of the numbers and not of a GPU's speed");
 }
 #endif
 
@@ -118,7 +121,8 @@ int main(int argc, char** argv) {
         }
         compare_kernels(seq, dim);
 #else
-        std::printf("The kernels do not run here: this build has no CUDA (make setup-cuda-cpu runs them on the CPU).\n");
+        std::printf("The kernels do not run here: this build has no CUDA "
+                    "(make setup-cuda-cpu runs them on the CPU).\n");
 #endif
         return 0;
       },

@@ -97,13 +97,7 @@ __global__ void __launch_bounds__(kThreads)
   const T* v_head = v + bh_kv * p.seq_k * D;
 
   // This lane's two rows and the keys each sees (rows past Sq see nothing, and stay).
-  int64_t row[2], first[2], last[2];
-  for (int r = 0; r < 2; ++r) {
-    row[r] = row0 + 16 * warp + kernels::frag_c_row(lane, 2 * r);
-    const bool active = row[r] < p.seq_q;
-    first[r] = !active ? LLONG_MAX : p.masked ? q_first[row[r]] : LLONG_MIN;
-    last[r] = !active ? LLONG_MIN : p.masked ? q_last[row[r]] : LLONG_MAX;
-  }
+  const LaneRows rows = lane_rows(row0, warp, lane, p, q_first, q_last);
 
   // Q by cp.async too, then into registers; the block's ranges meanwhile.
   kernels::AsyncCopies<2 * kCopiesPerThread<D, kBc>> copies;
@@ -147,14 +141,7 @@ __global__ void __launch_bounds__(kThreads)
 
   if constexpr (V >= 3)
     for (int r = 0; r < 2; ++r) m[r] *= 0.6931471805599453f;  // back to natural units for lse
-  T* out_rows[2];
-  float* lse_rows[2];
-  for (int r = 0; r < 2; ++r) {
-    const bool active = row[r] < p.seq_q;
-    out_rows[r] = active ? out + (bh * p.seq_q + row[r]) * D : nullptr;
-    lse_rows[r] = active ? lse + bh * p.seq_q + row[r] : nullptr;
-  }
-  finish_rows<T, D>(out_rows, lse_rows, o, m, l, lane);
+  finish_head_rows<T, D>(out, lse, bh, rows, p, o, m, l, lane);
 }
 
 template <typename T, int D>

@@ -65,15 +65,8 @@ __global__ void __launch_bounds__(kThreads)
   const T* k_head = k + bh_kv * p.seq_k * D;
   const T* v_head = v + bh_kv * p.seq_k * D;
 
-  // This lane's two rows, r = 0: row g, r = 1: row g + 8 of its warp's 16, and the keys each sees
-  // (rows past Sq see nothing: they still join every barrier and shuffle).
-  int64_t row[2], first[2], last[2];
-  for (int r = 0; r < 2; ++r) {
-    row[r] = row0 + 16 * warp + kernels::frag_c_row(lane, 2 * r);
-    const bool active = row[r] < p.seq_q;
-    first[r] = !active ? LLONG_MAX : p.masked ? q_first[row[r]] : LLONG_MIN;
-    last[r] = !active ? LLONG_MIN : p.masked ? q_last[row[r]] : LLONG_MAX;
-  }
+  // This lane's two rows and the keys each sees (rows past Sq see nothing, and stay).
+  const LaneRows rows = lane_rows(row0, warp, lane, p, q_first, q_last);
 
   // Q: the block's rows into shared memory, then each warp's 16 rows into A fragments, one per
   // 16 dims, kept in registers for the whole kernel.
@@ -122,20 +115,13 @@ __global__ void __launch_bounds__(kThreads)
     FragC s[kBc / 8];
     compute_scores<T, D>(s, q_frag, k_tile, lane);
 
-    softmax_tile<D>(s, o, m, l, kpos_tile, n, first, last, p.scale, lane);
+    softmax_tile<D>(s, o, m, l, kpos_tile, n, rows.first, rows.last, p.scale, lane);
 
     accumulate_pv<T, D>(o, s, v_tile, lane);
     __syncthreads();  // every warp is done with the tiles before the next ones overwrite them
   }
 
-  T* out_rows[2];
-  float* lse_rows[2];
-  for (int r = 0; r < 2; ++r) {
-    const bool active = row[r] < p.seq_q;
-    out_rows[r] = active ? out + (bh * p.seq_q + row[r]) * D : nullptr;
-    lse_rows[r] = active ? lse + bh * p.seq_q + row[r] : nullptr;
-  }
-  finish_rows<T, D>(out_rows, lse_rows, o, m, l, lane);
+  finish_head_rows<T, D>(out, lse, bh, rows, p, o, m, l, lane);
 }
 
 template <typename T, int D>

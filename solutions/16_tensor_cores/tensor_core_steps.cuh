@@ -7,8 +7,10 @@
 // row-major with kLd<D> elements a row.
 #pragma once
 
+#include <climits>
 #include <cstdint>
 
+#include "block_attention.cuh"
 #include "kernels/mma.cuh"
 #include "kernels/warp.cuh"
 
@@ -156,8 +158,8 @@ CP_FRAGMENT_LOOP
 /// row's l first summed over its quad; a row that saw no key gets out = 0 and lse = −inf.
 /// out_rows[r]: row r's D outputs in global memory (null for a row past Sq); lane 4g writes lse.
 template <typename T, int D>
-__device__ __forceinline__ void finish_rows(T* const (&out_rows)[2], float* const (&lse_rows)[2], const FragC (&o)[D / 8],
-                                            const float (&m)[2], float (&l)[2], int lane) {
+__device__ __forceinline__ void finish_rows(T* const (&out_rows)[2], float* const (&lse_rows)[2],
+                                            const FragC (&o)[D / 8], const float (&m)[2], float (&l)[2], int lane) {
   // BEGIN SOLUTION task 3: out and lse
   // STUB: // TODO(lesson 16, task 3): for each row with an out_rows pointer, out = O / l in T with l the whole
   // STUB: // row's sum, and lse = m + log l (natural log) written once; a row that saw no key gets 0 and −inf.
@@ -175,12 +177,49 @@ CP_FRAGMENT_LOOP
 CP_FRAGMENT_LOOP
     for (int e = 0; e < 4; ++e) {
       const int r = e / 2;
-      if (out_rows[r]) out_rows[r][8 * dt + kernels::frag_c_col(lane, e)] = kernels::from_float<T>(o[dt].x[e] * inv_l[r]);
+      if (out_rows[r])
+        out_rows[r][8 * dt + kernels::frag_c_col(lane, e)] = kernels::from_float<T>(o[dt].x[e] * inv_l[r]);
     }
   for (int r = 0; r < 2; ++r)
     if (lse_rows[r] && lane % 4 == 0)
       *lse_rows[r] = l[r] == 0.0f ? -INFINITY : m[r] == INFINITY ? INFINITY : m[r] + logf(l[r]);
   // END SOLUTION
+}
+
+// ── The frame's pieces that the kernels of lessons 16 and 17 share (given) ────────────────────
+
+/// A lane's two rows of its warp's 16 (r = 0: row g, r = 1: row g + 8, kernels/mma_map.h), as
+/// rows of the head, and the key positions each sees, [first, last]. A row past Sq sees nothing
+/// (first > last) and stays: it joins every barrier and shuffle, and writes nothing.
+struct LaneRows {
+  int64_t row[2], first[2], last[2];
+};
+
+__device__ __forceinline__ LaneRows lane_rows(int64_t row0, int warp, int lane, const BlockAttentionParams& p,
+                                              const int64_t* q_first, const int64_t* q_last) {
+  LaneRows rows;
+  for (int r = 0; r < 2; ++r) {
+    rows.row[r] = row0 + 16 * warp + kernels::frag_c_row(lane, 2 * r);
+    const bool active = rows.row[r] < p.seq_q;
+    rows.first[r] = !active ? LLONG_MAX : p.masked ? q_first[rows.row[r]] : LLONG_MIN;
+    rows.last[r] = !active ? LLONG_MIN : p.masked ? q_last[rows.row[r]] : LLONG_MAX;
+  }
+  return rows;
+}
+
+/// finish_rows for a lane's rows of head bh: out [.., Sq, D] and lse [.., Sq], nothing past Sq.
+template <typename T, int D>
+__device__ __forceinline__ void finish_head_rows(T* out, float* lse, int64_t bh, const LaneRows& rows,
+                                                 const BlockAttentionParams& p, const FragC (&o)[D / 8],
+                                                 const float (&m)[2], float (&l)[2], int lane) {
+  T* out_rows[2];
+  float* lse_rows[2];
+  for (int r = 0; r < 2; ++r) {
+    const bool active = rows.row[r] < p.seq_q;
+    out_rows[r] = active ? out + (bh * p.seq_q + rows.row[r]) * D : nullptr;
+    lse_rows[r] = active ? lse + bh * p.seq_q + rows.row[r] : nullptr;
+  }
+  finish_rows<T, D>(out_rows, lse_rows, o, m, l, lane);
 }
 
 }  // namespace cp::tensor_core

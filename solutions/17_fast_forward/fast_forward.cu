@@ -95,13 +95,7 @@ __global__ void __launch_bounds__(kThreads)
   const T* v_head = v + bh_kv * p.seq_k * D;
 
   // This lane's two rows and the keys each sees (rows past Sq see nothing, and stay).
-  int64_t row[2], first[2], last[2];
-  for (int r = 0; r < 2; ++r) {
-    row[r] = row0 + 16 * warp + kernels::frag_c_row(lane, 2 * r);
-    const bool active = row[r] < p.seq_q;
-    first[r] = !active ? LLONG_MAX : p.masked ? q_first[row[r]] : LLONG_MIN;
-    last[r] = !active ? LLONG_MIN : p.masked ? q_last[row[r]] : LLONG_MAX;
-  }
+  const LaneRows rows = lane_rows(row0, warp, lane, p, q_first, q_last);
 
   // Q by cp.async too, then into registers; the block's ranges meanwhile.
   kernels::AsyncCopies<2 * kCopiesPerThread<D, kBc>> copies;
@@ -155,10 +149,11 @@ __global__ void __launch_bounds__(kThreads)
     if (next.j0 < p.seq_k) issue_tile_copies<T, D, kBc>(copies, k_tile, k_head, next.j0, next.n);
     copies.commit();  // K_{j+1} flies during the softmax and P·V_j (an empty group at the end)
     if constexpr (V >= 3) {
-      if (tile.cut) softmax_tile_exp2<D, true>(s, o, m, l, kpos_tiles[in_hand], tile.n, first, last, scale_log2, lane);
-      else softmax_tile_exp2<D, false>(s, o, m, l, kpos_tiles[in_hand], tile.n, first, last, scale_log2, lane);
+      const int64_t* kpos = kpos_tiles[in_hand];
+      if (tile.cut) softmax_tile_exp2<D, true>(s, o, m, l, kpos, tile.n, rows.first, rows.last, scale_log2, lane);
+      else softmax_tile_exp2<D, false>(s, o, m, l, kpos, tile.n, rows.first, rows.last, scale_log2, lane);
     } else {
-      softmax_tile<D>(s, o, m, l, kpos_tiles[in_hand], tile.n, first, last, p.scale, lane);
+      softmax_tile<D>(s, o, m, l, kpos_tiles[in_hand], tile.n, rows.first, rows.last, p.scale, lane);
     }
     copies.wait_all_but_newest();
     __syncthreads();  // V_j has landed for everyone (K_{j+1} may still fly)
@@ -170,14 +165,7 @@ __global__ void __launch_bounds__(kThreads)
 
   if constexpr (V >= 3)
     for (int r = 0; r < 2; ++r) m[r] *= 0.6931471805599453f;  // back to natural units for lse
-  T* out_rows[2];
-  float* lse_rows[2];
-  for (int r = 0; r < 2; ++r) {
-    const bool active = row[r] < p.seq_q;
-    out_rows[r] = active ? out + (bh * p.seq_q + row[r]) * D : nullptr;
-    lse_rows[r] = active ? lse + bh * p.seq_q + row[r] : nullptr;
-  }
-  finish_rows<T, D>(out_rows, lse_rows, o, m, l, lane);
+  finish_head_rows<T, D>(out, lse, bh, rows, p, o, m, l, lane);
 }
 
 template <typename T, int D>
