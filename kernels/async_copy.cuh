@@ -1,8 +1,8 @@
 // Copies from global to shared memory that run while the warps compute (cp.async, sm_80 and
 // newer): a thread issues 16-byte copies, closes them into a group with commit(), and waits for
 // all its groups (wait_all) or all but the newest (wait_all_but_newest). A __syncthreads() after
-// the wait makes every thread's finished copies visible to the whole block. FlashAttention-2's kernels load the
-// next tiles of K and V this way while the matrix units work on the current ones.
+// the wait makes every thread's finished copies visible to the whole block. FlashAttention-2's
+// kernels load the next tiles of K and V this way while the matrix units work on the current ones.
 //
 // Under CUDA on the CPU there is no cp.async. AsyncCopies keeps each thread's copies and performs
 // a group's only when a wait retires it, in the order they were committed: a kernel that reads a
@@ -15,12 +15,6 @@
 
 #include "kernels/strict_shared.cuh"
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && !defined(__HIP_PLATFORM_SPIRV__)
-#define CP_ASYNC_PTX 1  // the real instructions
-#else
-#define CP_ASYNC_PTX 0  // copies kept and performed at the wait (CUDA on the CPU, older GPUs)
-#endif
-
 namespace cp::kernels {
 
 /// One thread's asynchronous copies. kMaxInFlight: the most copies the thread issues between two
@@ -31,7 +25,7 @@ class AsyncCopies {
  public:
   /// Starts copying the 16 bytes at global `src` to shared `dst` (both 16-byte aligned).
   __device__ __forceinline__ void copy16(void* dst, const void* src) {
-#if CP_ASYNC_PTX
+#if CP_SM80_PTX
     const uint32_t to = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(to), "l"(src));
 #else
@@ -49,7 +43,7 @@ class AsyncCopies {
 
   /// Closes the group of the copies issued since the last commit (it may be empty).
   __device__ __forceinline__ void commit() {
-#if CP_ASYNC_PTX
+#if CP_SM80_PTX
     asm volatile("cp.async.commit_group;\n" ::);
 #else
     if (groups_ == kMaxInFlight) {
@@ -70,7 +64,7 @@ class AsyncCopies {
   /// cp.async.wait_group kPending: at most kPending groups still in flight.
   template <int kPending>
   __device__ __forceinline__ void wait() {
-#if CP_ASYNC_PTX
+#if CP_SM80_PTX
     asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 #else
     const int retire = groups_ - kPending;  // the oldest groups land now
@@ -84,7 +78,7 @@ class AsyncCopies {
 #endif
   }
 
-#if !CP_ASYNC_PTX
+#if !CP_SM80_PTX
   void* dst_[kMaxInFlight];
   const void* src_[kMaxInFlight];
   int group_end_[kMaxInFlight];  // copies issued before each group's commit

@@ -32,18 +32,12 @@
 #include "kernels/strict_shared.cuh"
 #include "kernels/warp.cuh"
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && !defined(__HIP_PLATFORM_SPIRV__)
-#define CP_MMA_PTX 1  // the real instructions
-#else
-#define CP_MMA_PTX 0  // the shuffle emulation (CUDA on the CPU, GPUs before sm_80, host passes)
-#endif
-
 // Loops around fragments: unrolled for the real instructions. Registers cannot be indexed at run
 // time, so a fragment array indexed by the variable of a loop left rolled goes to local memory:
 // still correct, and slow. Not for the emulation: each shuffle there is a barrier, and PoCL
 // compiles a kernel in pieces between barriers, so unrolled shuffles make the kernel's
 // compilation minutes longer and its code far bigger, for nothing on a CPU.
-#if CP_MMA_PTX
+#if CP_SM80_PTX
 #define CP_FRAGMENT_LOOP _Pragma("unroll")
 #else
 #define CP_FRAGMENT_LOOP _Pragma("unroll 1")
@@ -90,7 +84,7 @@ __device__ __forceinline__ float unpack(uint32_t reg, int half) {
   return to_float(h);
 }
 
-#if !CP_MMA_PTX
+#if !CP_SM80_PTX
 /// The lane's value of `reg` in lane `src` (a 32-bit shuffle; every lane must call it).
 __device__ __forceinline__ uint32_t pull(uint32_t reg, int src) {
   return static_cast<uint32_t>(__shfl_sync(kFullWarp, static_cast<int>(reg), src));
@@ -110,7 +104,7 @@ __device__ __forceinline__ uint32_t load_pair(const uint16_t* p) { return p[0] |
 /// matrix may lie anywhere); register m of lane (g, t) receives row g, columns 2t and 2t+1 of
 /// matrix m: two neighbours along a stored row, as an A register holds two neighbours in k.
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
-#if CP_MMA_PTX
+#if CP_SM80_PTX
   const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -128,7 +122,7 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
 /// registers. A B register holds two neighbours in k: this fills B from stored rows that are B's
 /// columns.
 __device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], const void* row) {
-#if CP_MMA_PTX
+#if CP_SM80_PTX
   const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
 #else
@@ -143,7 +137,7 @@ __device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], const void* row) {
 /// lane (g, t) receives rows 2t and 2t+1, column g of matrix m, two neighbours down a stored
 /// column. This fills B from stored rows that are B's rows (a row-major [k][n] tile).
 __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&r)[2], const void* row) {
-#if CP_MMA_PTX
+#if CP_SM80_PTX
   const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
                : "=r"(r[0]), "=r"(r[1])
@@ -166,7 +160,7 @@ __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&r)[2], const void* 
 /// column of B), so each 32-bit register of A or B holds two elements that are neighbours in k.
 template <typename T>
 __device__ __forceinline__ void mma(FragC& d, const FragA& a, const FragB& b) {
-#if CP_MMA_PTX
+#if CP_SM80_PTX
   static_assert(sizeof(T) == 2, "mma: float16 or bfloat16 inputs");
   if constexpr (std::is_same_v<T, __half>) {
     asm volatile(

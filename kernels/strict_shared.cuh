@@ -13,6 +13,14 @@
 #include <cstdint>
 #include <string>
 
+// The real sm_80 instructions (ldmatrix, mma.sync, cp.async: kernels/mma.cuh, async_copy.cuh), or
+// their emulation (CUDA on the CPU, GPUs before sm_80, the host passes of nvcc).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && !defined(__HIP_PLATFORM_SPIRV__)
+#define CP_SM80_PTX 1
+#else
+#define CP_SM80_PTX 0
+#endif
+
 #if defined(__HIP_PLATFORM_SPIRV__)
 #define CP_STRICT_EMULATION 1  // CUDA on the CPU: the emulated instructions check their addresses
 #else

@@ -171,14 +171,7 @@ void launch_fast_forward(int version, const void* q, const void* k, const void* 
     launch_tensor_core_attention_forward(q, k, v, out, lse, q_first, q_last, k_pos, p, dtype, stream);
     return;
   }
-  CP_CHECK(dtype != DType::Float32, "fast forward: the matrix units take float16 or bfloat16, got float32");
-  CP_CHECK(tensor_core_attention_supports_head_dim(p.head_dim), "fast forward: unsupported head dim ", p.head_dim,
-           " (64 or 128)");
-  CP_CHECK(p.batch * p.heads_q <= INT32_MAX && (p.seq_q + kBr - 1) / kBr <= 65535,
-           "fast forward: grid too large (B·Hq = ", p.batch * p.heads_q, ", Sq = ", p.seq_q, ")");
-  auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
-  CP_CHECK(aligned(q) && aligned(k) && aligned(v), "fast forward: q, k and v must start on a 16-byte boundary (the ",
-           "tiles are copied 16 bytes at a time)");
+  check_launch("fast forward", q, k, v, p, dtype);
 #ifdef CP_LESSON17_TASK1_NOT_STARTED
   throw NotImplemented("lesson 17, task 1: issue_tile_copies (versions 2 and up copy their tiles with it)");
 #endif

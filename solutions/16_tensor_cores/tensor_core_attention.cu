@@ -147,14 +147,7 @@ bool tensor_core_attention_supports_head_dim(int64_t head_dim) { return head_dim
 void launch_tensor_core_attention_forward(const void* q, const void* k, const void* v, void* out, float* lse,
                                           const int64_t* q_first, const int64_t* q_last, const int64_t* k_pos,
                                           const BlockAttentionParams& p, DType dtype, cudaStream_t stream) {
-  CP_CHECK(dtype != DType::Float32, "tensor-core attention: the matrix units take float16 or bfloat16, got float32");
-  CP_CHECK(tensor_core_attention_supports_head_dim(p.head_dim), "tensor-core attention: unsupported head dim ",
-           p.head_dim, " (64 or 128)");
-  CP_CHECK(p.batch * p.heads_q <= INT32_MAX && (p.seq_q + kBr - 1) / kBr <= 65535,
-           "tensor-core attention: grid too large (B·Hq = ", p.batch * p.heads_q, ", Sq = ", p.seq_q, ")");
-  auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
-  CP_CHECK(aligned(q) && aligned(k) && aligned(v), "tensor-core attention: q, k and v must start on a 16-byte ",
-           "boundary (the tiles are loaded 16 bytes at a time)");
+  check_launch("tensor-core attention", q, k, v, p, dtype);
   if (p.batch * p.heads_q == 0 || p.seq_q == 0) return;
   kernels::dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);

@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "block_attention.cuh"
+#include "common/error.h"
 #include "kernels/mma.cuh"
 #include "kernels/warp.cuh"
 
@@ -187,6 +188,20 @@ CP_FRAGMENT_LOOP
 }
 
 // ── The frame's pieces that the kernels of lessons 16 and 17 share (given) ────────────────────
+
+/// The checks of a launch of a kernel built on these steps (lesson 16's, lesson 17's versions):
+/// a cp::Error naming `kernel` for float32, another head dim, a grid CUDA cannot launch, or q, k,
+/// v not 16-byte aligned (the tiles are loaded 16 bytes at a time).
+inline void check_launch(const char* kernel, const void* q, const void* k, const void* v,
+                         const BlockAttentionParams& p, DType dtype) {
+  CP_CHECK(dtype != DType::Float32, kernel, ": the matrix units take float16 or bfloat16, got float32");
+  CP_CHECK(p.head_dim == 64 || p.head_dim == 128, kernel, ": unsupported head dim ", p.head_dim, " (64 or 128)");
+  CP_CHECK(p.batch * p.heads_q <= INT32_MAX && (p.seq_q + kBr - 1) / kBr <= 65535, kernel,
+           ": grid too large (B·Hq = ", p.batch * p.heads_q, ", Sq = ", p.seq_q, ")");
+  auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  CP_CHECK(aligned(q) && aligned(k) && aligned(v), kernel, ": q, k and v must start on a 16-byte boundary (the ",
+           "tiles are loaded 16 bytes at a time)");
+}
 
 /// A lane's two rows of its warp's 16 (r = 0: row g, r = 1: row g + 8, kernels/mma_map.h), as
 /// rows of the head, and the key positions each sees, [first, last]. A row past Sq sees nothing
