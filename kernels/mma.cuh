@@ -154,6 +154,26 @@ __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&r)[2], const void* 
 #endif
 }
 
+/// ldmatrix .x4.trans: the addresses of .x4 (lane i, row i % 8 of matrix i / 8), the four
+/// matrices transposed as in .x2.trans: two B fragments at once from a row-major [k][n] tile.
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
+#if CP_SM80_PTX
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+#else
+  const int lane = static_cast<int>(threadIdx.x % kWarpSize), g = lane / 4, t = lane % 4;
+  expect_shared_16(row, kLdmatrixNotShared, kLdmatrixMisaligned);
+  CP_FRAGMENT_LOOP
+  for (int m = 0; m < 4; ++m) {
+    const uint16_t* even = pull_address(row, 8 * m + 2 * t);
+    const uint16_t* odd = pull_address(row, 8 * m + 2 * t + 1);
+    r[m] = even[g] | (static_cast<uint32_t>(odd[g]) << 16);
+  }
+#endif
+}
+
 /// D = A·B + D (m16n8k16, float32 accumulators), T = __half or __nv_bfloat16. Every lane of the
 /// warp must call it with its own fragments (rule 1 of kernels/README.md). `.row.col` in the
 /// instruction's name: A is row-major (k runs along a row of A) and B column-major (k runs down a

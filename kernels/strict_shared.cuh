@@ -29,10 +29,8 @@
 
 #include <cuda_runtime_api.h>
 
-#if CP_STRICT_EMULATION
 #include "common/cuda_check.h"
 #include "common/error.h"
-#endif
 
 namespace cp::kernels {
 
@@ -126,6 +124,19 @@ inline void throw_on_emulation_fault(cudaStream_t stream, const char* kernel) {
   throw Error(std::string(kernel) + ", under CUDA on the CPU: " + what, __FILE__, __LINE__);
 #else
   (void)stream, (void)kernel;
+#endif
+}
+
+/// Host: lets `kernel` take `bytes` of dynamic shared memory. Above 48 KiB a GPU needs the
+/// kernel's opt-in (cudaFuncSetAttribute). CUDA on the CPU has no such call (chipStar's CUDA
+/// headers lack it) and gives a block 1 MiB: nothing to do there.
+template <typename Kernel>
+inline void allow_dynamic_shared(Kernel* kernel, int bytes) {
+#if CP_STRICT_EMULATION
+  (void)kernel, (void)bytes;
+#else
+  CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  bytes));
 #endif
 }
 

@@ -1,5 +1,6 @@
-// Lesson 17 — a probe kernel that runs task 1's issue_tile_copies on its own (one block of 4
-// warps): the tile in shared memory after the copies have landed, padding included.
+// Lesson 17 — probe kernels that run a task's steps on their own (one block of 4 warps): task 1's
+// issue_tile_copies (the tile in shared memory after the copies have landed, padding included),
+// task 4's compute_scores_wide and accumulate_pv_wide (the fragments written back whole).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -17,5 +18,17 @@ struct Lesson17Task1Probe {
   int64_t head_dim;     ///< 64 or 128
 };
 void launch_lesson17_task1_probe(const Lesson17Task1Probe& probe, cudaStream_t stream);
+
+/// Every pointer is device memory, float16. The probe puts Q, K and V in shared memory, runs
+/// s = compute_scores_wide(Q, K), then o = accumulate_pv_wide(o = 0, P = s, V), and writes both.
+struct Lesson17Task4Probe {
+  const void* q;     ///< [128, D]: the block's query rows
+  const void* k;     ///< [64, D]: a tile of keys
+  const void* v;     ///< [64, D]
+  float* scores;     ///< out: [128, 64], s of every warp's two groups
+  float* out;        ///< out: [128, D], o of every warp's two groups
+  int64_t head_dim;  ///< 64 or 128
+};
+void launch_lesson17_task4_probe(const Lesson17Task4Probe& probe, cudaStream_t stream);
 
 }  // namespace cp::testing

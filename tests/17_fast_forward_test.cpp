@@ -2,13 +2,18 @@
 // kernel suite (float16 and bfloat16, D = 64 and 128, GQA, shapes that are not multiples of the
 // tiles, the rings' causal layouts, windows and documents, scores far from 0), run for each
 // version on device buffers (a GPU, or CUDA on the CPU, whose cp.async lands a group only at its
-// wait and whose ldmatrix and cp.async refuse addresses outside shared memory); task 1's tile
-// copies on their own through a probe kernel.
+// wait and whose ldmatrix and cp.async refuse addresses outside shared memory); tasks 1 and 4's
+// steps on their own through probe kernels, task 5's order on the CPU.
 #include <torch/types.h>
 
+#include <cstdint>
+#include <set>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "attention_kernel_suite.h"
+#include "block_order.h"
 #include "common/error.h"
 #include "fast_forward.h"
 #include "testing/device_buffer.h"
@@ -22,6 +27,34 @@
 
 namespace cp {
 namespace {
+
+// ── Task 5: the order of the blocks (host code: no GPU needed) ─────────────────────────────────
+
+CP_TEST(Lesson17, Task5_EveryBlockOnceTheLongestFirst) {
+#ifdef CP_LESSON17_TASK5_NOT_STARTED
+  throw NotImplemented("lesson 17, task 5: block_work (delete the #define of task 5 in block_order.h once written)");
+#endif
+  for (const auto& [heads, row_blocks] : std::vector<std::pair<int64_t, int64_t>>{{1, 1}, {1, 7}, {16, 1}, {3, 5},
+                                                                                   {32, 64}}) {
+    const std::string grid = std::to_string(heads) + " heads × " + std::to_string(row_blocks) + " row blocks";
+    std::set<std::pair<int64_t, int64_t>> seen;
+    int64_t previous_work = INT64_MAX;
+    for (int64_t launched = 0; launched < heads * row_blocks; ++launched) {
+      const BlockWork w = block_work(launched, heads, row_blocks);
+      ASSERT_TRUE(w.bh >= 0 && w.bh < heads && w.row_block >= 0 && w.row_block < row_blocks)
+          << grid << ": block " << launched << " got (bh " << w.bh << ", row block " << w.row_block
+          << "), outside the grid";
+      EXPECT_TRUE(seen.insert({w.bh, w.row_block}).second)
+          << grid << ": (bh " << w.bh << ", row block " << w.row_block << ") is the work of two blocks";
+      // Causal, with Sq = Sk: the rows of row block r see about r + 1 tiles of keys.
+      const int64_t work = w.row_block + 1;
+      EXPECT_LE(work, previous_work) << grid << ": block " << launched << " (row block " << w.row_block
+                                     << ") starts after a block with less work (a short block first leaves "
+                                     << "a long one for the last wave)";
+      previous_work = work;
+    }
+  }
+}
 
 #if CP_WITH_CUDA
 using testing::expect_error;
@@ -67,6 +100,40 @@ CP_TEST(Lesson17Kernels, Task1_TileCopiesLandWhereTheTileSays) {
     }
 }
 
+// ── Task 4: two groups of rows, every ldmatrix an .x4 ───────────────────────────────────────
+
+CP_TEST(Lesson17Kernels, Task4_WideStepsComputeBothGroupsProducts) {
+  CP_REQUIRE_CUDA_RUNTIME();
+  for (int64_t d : {64, 128}) {
+    // Small integers: every product and sum exact in float32 and every score exact in float16,
+    // so the steps must match float64 exactly; each row, key and dim different, so that a
+    // fragment from the wrong place shows.
+    auto small = [](int64_t rows, int64_t cols, int64_t seed) {
+      return ((torch::arange(rows * cols, torch::kLong) * (2 * seed + 1) + seed) % 5 - 2).view({rows, cols});
+    };
+    const torch::Tensor q = small(128, d, 1), k = small(64, d, 2), v = small(64, d, 3);
+    CudaStream stream;
+    DeviceBuffer q_dev(q.to(torch::kHalf)), k_dev(k.to(torch::kHalf)), v_dev(v.to(torch::kHalf));
+    DeviceBuffer scores({128, 64}, torch::kFloat), out({128, d}, torch::kFloat);
+    testing::launch_lesson17_task4_probe({q_dev.get(), k_dev.get(), v_dev.get(), scores.as<float>(), out.as<float>(), d},
+                                         stream.get());
+    const torch::Tensor s_expected = torch::matmul(q.to(torch::kDouble), k.to(torch::kDouble).t());
+    const torch::Tensor o_expected = torch::matmul(s_expected, v.to(torch::kDouble));
+    const std::string at = "D = " + std::to_string(d);
+    const torch::Tensor s_got = scores.to_host(stream.get()).to(torch::kDouble);
+    const torch::Tensor o_got = out.to_host(stream.get()).to(torch::kDouble);
+    const torch::Tensor s_wrong = s_got.ne(s_expected), o_wrong = o_got.ne(o_expected);
+    EXPECT_EQ(s_wrong.sum().item<int64_t>(), 0)
+        << at << ": compute_scores_wide: " << s_wrong.sum().item<int64_t>() << " of 128×64 scores differ from Q·Kᵀ; "
+        << "rows with a wrong score: " << torch::nonzero(s_wrong.any(1)).flatten()
+        << " (rows 32w … 32w+15 are warp w's group 0, 32w+16 … 32w+31 its group 1)";
+    EXPECT_EQ(o_wrong.sum().item<int64_t>(), 0)
+        << at << ": accumulate_pv_wide: " << o_wrong.sum().item<int64_t>() << " of 128×" << d
+        << " outputs differ from P·V (P = the scores); dims with a wrong output: "
+        << torch::nonzero(o_wrong.any(0)).flatten();
+  }
+}
+
 // ── Every version: lesson 16's suite ─────────────────────────────────────────────────────────
 
 /// The four parts of lesson 16's suite for version `number`.
@@ -87,6 +154,16 @@ CP_TEST(Lesson17Kernels, Task3_Version3PassesLesson16sSuite) {
   expect_version_passes_lesson16s_suite(3);
 }
 
+CP_TEST(Lesson17Kernels, Task4_Version4PassesLesson16sSuite) {
+  CP_REQUIRE_CUDA_RUNTIME();
+  expect_version_passes_lesson16s_suite(4);
+}
+
+CP_TEST(Lesson17Kernels, Task5_Version5PassesLesson16sSuite) {
+  CP_REQUIRE_CUDA_RUNTIME();
+  expect_version_passes_lesson16s_suite(5);
+}
+
 CP_TEST(Lesson17Kernels, Task2_BadInputGivesClearErrors) {
   CP_REQUIRE_CUDA_RUNTIME();
   testing::expect_kernel_matches_oracle(version(2), {1, 1, 1, 4, 4, 64}, {false, {}, {}}, torch::kHalf, 171,
@@ -97,7 +174,7 @@ CP_TEST(Lesson17Kernels, Task2_BadInputGivesClearErrors) {
   const OracleMask none{false, torch::arange(4), torch::arange(4)};
   testing::expect_errors({
       {"version 0", [&] { testing::run_attention_kernel(version(0), half, none, 0.125); }, "version: expected 1"},
-      {"version 4", [&] { testing::run_attention_kernel(version(kFastForwardVersions + 1), half, none, 0.125); },
+      {"version past the last", [&] { testing::run_attention_kernel(version(kFastForwardVersions + 1), half, none, 0.125); },
        "version: expected 1"},
       {"float32", [&] { testing::run_attention_kernel(version(2), f32, none, 0.125); },
        "the matrix units take float16 or bfloat16, got float32"},

@@ -33,19 +33,21 @@ namespace {
 #if CP_WITH_CUDA
 
 struct ProbeResult {
-  torch::Tensor a_frag, b_frag, bt_frag, d_map, d_ld;
+  torch::Tensor a_frag, b_frag, bt_frag, a_as_b_frags, d_map, d_ld;
 };
 
 ProbeResult run_probe(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& c, int misuse = 0) {
   CudaStream stream;
   DeviceBuffer a_dev(a), b_dev(b), c_dev(c);
   DeviceBuffer a_frag({32, 8}, torch::kFloat), b_frag({32, 4}, torch::kFloat), bt_frag({32, 4}, torch::kFloat);
+  DeviceBuffer a_as_b_frags({32, 8}, torch::kFloat);
   DeviceBuffer d_map({16, 8}, torch::kFloat), d_ld({16, 8}, torch::kFloat);
   testing::launch_mma_probe({a_dev.get(), b_dev.get(), c_dev.as<float>(), a_frag.as<float>(), b_frag.as<float>(),
-                             bt_frag.as<float>(), d_map.as<float>(), d_ld.as<float>(), misuse},
+                             bt_frag.as<float>(), a_as_b_frags.as<float>(), d_map.as<float>(), d_ld.as<float>(),
+                             misuse},
                             kernel_dtype(a, "a"), stream.get());
-  return {a_frag.to_host(stream.get()), b_frag.to_host(stream.get()), bt_frag.to_host(stream.get()),
-          d_map.to_host(stream.get()), d_ld.to_host(stream.get())};
+  return {a_frag.to_host(stream.get()),       b_frag.to_host(stream.get()), bt_frag.to_host(stream.get()),
+          a_as_b_frags.to_host(stream.get()), d_map.to_host(stream.get()),  d_ld.to_host(stream.get())};
 }
 
 /// m[map_row(lane, e)][map_col(lane, e)] for every lane and element: what the map says a lane holds.
@@ -71,6 +73,12 @@ CP_TEST(KernelsMmaKernels, FragmentsHoldWhatTheMapSays) {
     const torch::Tensor b_expected = by_map(b, 4, kernels::frag_b_row, kernels::frag_b_col);
     EXPECT_TRUE(torch::equal(r.b_frag, b_expected)) << "ldmatrix_x2 of Bᵀ" << what << ": got\n" << r.b_frag;
     EXPECT_TRUE(torch::equal(r.bt_frag, b_expected)) << "ldmatrix_x2_trans of B" << what << ": got\n" << r.bt_frag;
+    // A as a [k][n] matrix read by .x4.trans: the B fragments of its columns 0–7, then 8–15.
+    const torch::Tensor a_as_b = torch::cat({by_map(a.narrow(1, 0, 8), 4, kernels::frag_b_row, kernels::frag_b_col),
+                                             by_map(a.narrow(1, 8, 8), 4, kernels::frag_b_row, kernels::frag_b_col)},
+                                            1);
+    EXPECT_TRUE(torch::equal(r.a_as_b_frags, a_as_b)) << "ldmatrix_x4_trans of A as B" << what << ": got\n"
+                                                      << r.a_as_b_frags;
   }
 }
 
@@ -104,6 +112,8 @@ CP_TEST(KernelsMmaKernels, TheEmulationRefusesWhatTheHardwareRefuses) {
       {"ldmatrix_x2 of a row 2 bytes past a 16-byte boundary", [&] { run_probe(a, b, torch::zeros({16, 8}), 2); },
        "an ldmatrix row address is not 16-byte aligned"},
       {"ldmatrix_x2_trans of B in global memory", [&] { run_probe(a, b, torch::zeros({16, 8}), 3); },
+       "ldmatrix read an address outside the shared memory the kernel declared"},
+      {"ldmatrix_x4_trans of A in global memory", [&] { run_probe(a, b, torch::zeros({16, 8}), 4); },
        "ldmatrix read an address outside the shared memory the kernel declared"},
   });
 #else

@@ -11,7 +11,8 @@ const char* fast_forward_version_name(int version) {
   CP_CHECK(version >= 1 && version <= kFastForwardVersions, "version: expected 1 … ", kFastForwardVersions, ", got ",
            version);
   static const char* const names[] = {"lesson 16's kernel", "cp.async in FlashAttention-2's order",
-                                      "masks only on cut tiles, exp2"};
+                                      "masks only on cut tiles, exp2", "128 rows a block, ldmatrix.x4",
+                                      "the longest blocks first"};
   return names[version - 1];
 }
 

@@ -1,13 +1,15 @@
 // GENERATED from solutions/17_fast_forward/fast_forward.cu by tools/skeleton.
 // Learners: write between BEGIN YOUR CODE and END YOUR CODE. Maintainers: edit the solution, then run make skeletons.
 // Lesson 17 — the ladder of forward kernels on the matrix units. Version 1 is lesson 16's kernel;
-// versions 2 and 3 are one template, fast_forward_kernel<T, D, V>, whose frame (the grid, the
-// tiles, the barriers, which tiles a block visits) is given and whose steps are lesson 16's and
-// fast_forward_steps.cuh's.
+// versions 2 to 5 are one template, fast_forward_kernel<T, D, V>, whose frame (the grid, the
+// tiles, which tiles a block visits, the steps each version calls) is given; the pipeline is task 2
+// and the steps are lesson 16's and fast_forward_steps.cuh's.
 //
-// Grid and warps as lesson 16's: one block per (batch·query head, 64 query rows), 4 warps of 16
-// rows. Shared memory: one K tile and one V tile (the block's Q tile first borrows the K tile),
-// the key positions of the tile in hand and of the next one, and the votes that classify a tile.
+// Warps: 4 a block. Versions 2 and 3 keep lesson 16's grid, one block per (batch·query head, 64
+// query rows), 16 rows a warp, Q's fragments in registers. From version 4 a block takes 128 rows,
+// 32 a warp as two groups of 16, and Q stays in shared memory. Version 5 launches a 1-D grid in
+// task 5's order. Shared memory: the tiles (dynamic: Q from version 4, one K and one V tile), the
+// key positions of the tile in hand and of the next one, and the votes that classify a tile.
 #include <climits>
 #include <cstdint>
 
@@ -20,6 +22,7 @@
 #include "kernels/mma.cuh"
 #include "kernels/strict_shared.cuh"
 #include "kernels/tile.cuh"
+#include "block_order.h"
 #include "tensor_core_attention.cuh"
 
 namespace cp {
@@ -74,41 +77,100 @@ __device__ Visit next_visible_tile(int64_t from, int64_t* kpos_tile, int (&votes
   return {p.seq_k, 0, false};
 }
 
+/// Per version: 16-row groups a warp holds, query rows a block, and the block's tiles in shared
+/// memory. Versions 2 and 3 copy Q into the K tile and keep its fragments in registers (kBr = kBc
+/// rows); from version 4 Q has its own kWideRows rows and stays there, read again at every tile.
+template <int V>
+constexpr int kGroupsOf = V >= 4 ? kGroups : 1;
+template <int V>
+constexpr int kRowsOf = 16 * kWarps * kGroupsOf<V>;
+template <int D, int V>
+constexpr int kTileBytes = ((V >= 4 ? kWideRows : 0) + 2 * kBc) * kLd<D> * 2;
+
+/// What a warp keeps from tile to tile: its lanes' rows of each group, their running softmax (m
+/// in base 2 from version 3 on; l this lane's part of a row's sum), O unnormalised in float32,
+/// and for versions 2 and 3 Q's fragments.
+template <int D, int V>
+struct WarpState {
+  LaneRows rows[kGroupsOf<V>];
+  float m[kGroupsOf<V>][2], l[kGroupsOf<V>][2];
+  FragC o[kGroupsOf<V>][D / 8];
+  FragA q_frag[V >= 4 ? 1 : D / 16];  // not used from version 4 on
+};
+
+/// The version's steps on a tile, given: the scores S = Q·Kᵀ, the softmax that turns them into P
+/// (`scale` is scale·log2(e) from version 3 on), and O += P·V.
+template <typename T, int D, int V>
+__device__ __forceinline__ void tile_scores(FragC (&s)[kGroupsOf<V>][kBc / 8], const WarpState<D, V>& w,
+                                            const T* q_tile, const T* k_tile, int warp, int lane) {
+  if constexpr (V >= 4) compute_scores_wide<T, D>(s, q_tile, k_tile, warp, lane);
+  else compute_scores<T, D>(s[0], w.q_frag, k_tile, lane);
+}
+
+template <int D, int V>
+__device__ __forceinline__ void tile_softmax(FragC (&s)[kGroupsOf<V>][kBc / 8], WarpState<D, V>& w,
+                                             const Visit& tile, const int64_t* kpos, float scale, int lane) {
+  for (int i = 0; i < kGroupsOf<V>; ++i) {
+    const LaneRows& r = w.rows[i];
+    if constexpr (V == 2) softmax_tile<D>(s[i], w.o[i], w.m[i], w.l[i], kpos, tile.n, r.first, r.last, scale, lane);
+    else if (tile.cut)
+      softmax_tile_exp2<D, true>(s[i], w.o[i], w.m[i], w.l[i], kpos, tile.n, r.first, r.last, scale, lane);
+    else softmax_tile_exp2<D, false>(s[i], w.o[i], w.m[i], w.l[i], kpos, tile.n, r.first, r.last, scale, lane);
+  }
+}
+
+template <typename T, int D, int V>
+__device__ __forceinline__ void tile_pv(WarpState<D, V>& w, const FragC (&s)[kGroupsOf<V>][kBc / 8], const T* v_tile,
+                                        int lane) {
+  if constexpr (V >= 4) accumulate_pv_wide<T, D>(w.o, s, v_tile, lane);
+  else accumulate_pv<T, D>(w.o[0], s[0], v_tile, lane);
+}
+
 template <typename T, int D, int V>
 __global__ void __launch_bounds__(kThreads)
     fast_forward_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                         T* __restrict__ out, float* __restrict__ lse, const int64_t* __restrict__ q_first,
                         const int64_t* __restrict__ q_last, const int64_t* __restrict__ k_pos, BlockAttentionParams p) {
-  static_assert(V == 2 || V == 3, "version 1 is lesson 16's kernel");
-  __shared__ __align__(16) uint16_t tiles_raw[2 * kBc * kLd<D>];
-  T* k_tile = reinterpret_cast<T*>(tiles_raw);  // [kBc][kLd]; first the block's Q tile (kBr = kBc rows)
-  T* v_tile = k_tile + kBc * kLd<D>;             // [kBc][kLd]
-  __shared__ int64_t kpos_tiles[2][kBc];         // the tile in hand's positions, and the next one's
+  static_assert(V >= 2 && V <= kFastForwardVersions, "version 1 is lesson 16's kernel");
+  static_assert(kBr == kBc, "versions 2 and 3 copy the block's Q tile into the K tile");
+  extern __shared__ __align__(16) uint16_t tiles_raw[];  // kTileBytes<D, V> (the launch's dynamic size)
+  T* q_tile = reinterpret_cast<T*>(tiles_raw);           // [kRowsOf<V>][kLd]
+  T* k_tile = q_tile + (V >= 4 ? kWideRows * kLd<D> : 0);  // [kBc][kLd]; versions 2 and 3: Q's place
+  T* v_tile = k_tile + kBc * kLd<D>;                       // [kBc][kLd]
+  __shared__ int64_t kpos_tiles[2][kBc];                   // the tile in hand's positions, and the next one's
   __shared__ BlockRange block_range;
   __shared__ int votes[2][2];
-  static_assert(kBr == kBc, "the Q tile borrows the K tile's shared memory");
-  kernels::declare_shared(tiles_raw, sizeof tiles_raw);  // what ldmatrix and cp.async may touch
+  kernels::declare_shared(tiles_raw, kTileBytes<D, V>);  // what ldmatrix and cp.async may touch
 
-  const int64_t bh = blockIdx.x, b = bh / p.heads_q, h = bh % p.heads_q;
+  // The block's work: lesson 16's grid (heads × row blocks), or from version 5 task 5's order.
+  const int64_t row_blocks = (p.seq_q + kRowsOf<V> - 1) / kRowsOf<V>;
+  const BlockWork work = V >= 5 ? block_work(blockIdx.x, p.batch * p.heads_q, row_blocks)
+                                : BlockWork{blockIdx.x, static_cast<int64_t>(blockIdx.y)};
+  const int64_t bh = work.bh, b = bh / p.heads_q, h = bh % p.heads_q;
   const int64_t bh_kv = b * p.heads_kv + h / (p.heads_q / p.heads_kv);
-  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kBr;
+  const int64_t row0 = work.row_block * kRowsOf<V>;
   const int warp = threadIdx.x / kernels::kWarpSize, lane = threadIdx.x % kernels::kWarpSize;
   const T* k_head = k + bh_kv * p.seq_k * D;
   const T* v_head = v + bh_kv * p.seq_k * D;
 
-  // This lane's two rows and the keys each sees (rows past Sq see nothing, and stay).
-  const LaneRows rows = lane_rows(row0, warp, lane, p, q_first, q_last);
+  // This lane's rows and the keys each sees (rows past Sq see nothing, and stay).
+  WarpState<D, V> w;
+  for (int i = 0; i < kGroupsOf<V>; ++i) {
+    w.rows[i] = lane_rows(row0, kGroupsOf<V> * warp + i, lane, p, q_first, q_last);
+    w.m[i][0] = w.m[i][1] = -INFINITY;
+    w.l[i][0] = w.l[i][1] = 0.0f;
+  }
 
-  // Q by cp.async too, then into registers; the block's ranges meanwhile.
+  // Q by cp.async too; the block's ranges meanwhile.
   kernels::AsyncCopies<2 * kCopiesPerThread<D, kBc>> copies;
-  const int q_rows = p.seq_q - row0 < kBr ? static_cast<int>(p.seq_q - row0) : kBr;
-  issue_tile_copies<T, D, kBr>(copies, k_tile, q + bh * p.seq_q * D, row0, q_rows);
+  static_assert(kCopiesPerThread<D, kRowsOf<V>> <= 2 * kCopiesPerThread<D, kBc>, "Q's copies fit the record");
+  const int q_rows = p.seq_q - row0 < kRowsOf<V> ? static_cast<int>(p.seq_q - row0) : kRowsOf<V>;
+  issue_tile_copies<T, D, kRowsOf<V>>(copies, q_tile, q + bh * p.seq_q * D, row0, q_rows);
   copies.commit();
   if (threadIdx.x == 0) {
     BlockRange range{LLONG_MIN, LLONG_MAX, LLONG_MIN, LLONG_MAX};
     if (p.masked) {
       kernels::covered_range(q_first + row0, q_last + row0, q_rows, range.any_first, range.any_last);
-      range.all_first = LLONG_MIN, range.all_last = LLONG_MAX;
       for (int i = 0; i < q_rows; ++i) {
         range.all_first = q_first[row0 + i] > range.all_first ? q_first[row0 + i] : range.all_first;
         range.all_last = q_last[row0 + i] < range.all_last ? q_last[row0 + i] : range.all_last;
@@ -118,16 +180,12 @@ __global__ void __launch_bounds__(kThreads)
   }
   copies.wait_all();
   __syncthreads();  // the Q tile and the ranges
-  FragA q_frag[D / 16];
-  load_q_fragments<T, D>(q_frag, k_tile, warp, lane);
+  if constexpr (V < 4) load_q_fragments<T, D>(w.q_frag, q_tile, warp, lane);
   const BlockRange range = block_range;
-  __syncthreads();  // every warp has its Q before K's first tile overwrites it
+  __syncthreads();  // every warp has its Q before K's first tile overwrites it (versions 2 and 3)
 
-  float m[2] = {-INFINITY, -INFINITY};  // each row's maximum so far (base 2 from version 3 on)
-  float l[2] = {0.0f, 0.0f};            // this lane's part of each row's sum
-  FragC o[D / 8];                       // O, unnormalised, float32
-  const float scale_log2 = p.scale * 1.4426950408889634f;  // version 3: scale and log2(e) in one multiply
-  int parity = 0, in_hand = 0;          // votes' parity; which kpos_tiles holds the tile in hand
+  const float scale = V >= 3 ? p.scale * 1.4426950408889634f : p.scale;  // version 3: scale and log2(e) at once
+  int parity = 0, in_hand = 0;  // votes' parity; which kpos_tiles holds the tile in hand
   Visit tile = next_visible_tile<V>(0, kpos_tiles[in_hand], votes, parity, k_pos, p, range);
 
   // BEGIN YOUR CODE task 2: the pipeline, in FlashAttention-2's order
@@ -135,28 +193,40 @@ __global__ void __launch_bounds__(kThreads)
   // each tile's V in flight while S is computed, the next tile's K while the softmax and P·V run.
   // Every read of a tile after its group has landed and a barrier; no copy into a tile some warp
   // may still read. README, "Task 2".
-  (void)tile, (void)q_frag, (void)m, (void)l, (void)o, (void)scale_log2, (void)in_hand, (void)v_head,
-  (void)k_head, (void)copies;
+  (void)tile, (void)w, (void)scale, (void)in_hand, (void)v_head, (void)k_head, (void)copies, (void)v_tile;
   // END YOUR CODE
 
-  if constexpr (V >= 3)
-    for (int r = 0; r < 2; ++r) m[r] *= 0.6931471805599453f;  // back to natural units for lse
-  finish_head_rows<T, D>(out, lse, bh, rows, p, o, m, l, lane);
+  for (int i = 0; i < kGroupsOf<V>; ++i) {
+    if constexpr (V >= 3)
+      for (int r = 0; r < 2; ++r) w.m[i][r] *= 0.6931471805599453f;  // back to natural units for lse
+    finish_head_rows<T, D>(out, lse, bh, w.rows[i], p, w.o[i], w.m[i], w.l[i], lane);
+  }
+}
+
+template <typename T, int D, int V>
+void launch_version(const void* q, const void* k, const void* v, void* out, float* lse, const int64_t* q_first,
+                    const int64_t* q_last, const int64_t* k_pos, const BlockAttentionParams& p, cudaStream_t stream) {
+  const int64_t heads = p.batch * p.heads_q, row_blocks = (p.seq_q + kRowsOf<V> - 1) / kRowsOf<V>;
+  CP_CHECK(V < 5 || heads * row_blocks <= INT32_MAX, "fast forward: grid too large (B·Hq = ", heads, ", Sq = ",
+           p.seq_q, ")");
+  const dim3 grid = V >= 5 ? dim3(static_cast<unsigned>(heads * row_blocks))
+                           : dim3(static_cast<unsigned>(heads), static_cast<unsigned>(row_blocks));
+  kernels::allow_dynamic_shared(fast_forward_kernel<T, D, V>, kTileBytes<D, V>);
+  fast_forward_kernel<T, D, V><<<grid, kThreads, kTileBytes<D, V>, stream>>>(
+      static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), static_cast<T*>(out), lse, q_first,
+      q_last, k_pos, p);
+  CUDA_CHECK_LAUNCH();
 }
 
 template <typename T, int D>
-void launch_version(int version, const void* q, const void* k, const void* v, void* out, float* lse,
-                    const int64_t* q_first, const int64_t* q_last, const int64_t* k_pos, const BlockAttentionParams& p,
-                    cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(p.batch * p.heads_q), static_cast<unsigned>((p.seq_q + kBr - 1) / kBr));
-  const T* q_t = static_cast<const T*>(q);
-  const T* k_t = static_cast<const T*>(k);
-  const T* v_t = static_cast<const T*>(v);
-  T* out_t = static_cast<T*>(out);
+void launch_versions(int version, const void* q, const void* k, const void* v, void* out, float* lse,
+                     const int64_t* q_first, const int64_t* q_last, const int64_t* k_pos, const BlockAttentionParams& p,
+                     cudaStream_t stream) {
   // BEGIN YOUR CODE task 2: launch
-  // TODO(lesson 17, task 2): launch fast_forward_kernel<T, D, version> once the pipeline is written.
-  (void)version, (void)grid, (void)q_t, (void)k_t, (void)v_t, (void)out_t, (void)lse, (void)q_first,
-  (void)q_last, (void)k_pos, (void)p, (void)stream;
+  // TODO(lesson 17, task 2): launch version `version` (2 … 5) with launch_version once the pipeline is
+  // written.
+  (void)version, (void)q, (void)k, (void)v, (void)out, (void)lse, (void)q_first, (void)q_last, (void)k_pos,
+  (void)p, (void)stream;
   throw NotImplemented("lesson 17, task 2: the pipeline of version 2, then its launch");
   // END YOUR CODE
 }
@@ -176,14 +246,21 @@ void launch_fast_forward(int version, const void* q, const void* k, const void* 
   throw NotImplemented("lesson 17, task 1: issue_tile_copies (versions 2 and up copy their tiles with it)");
 #endif
 #ifdef CP_LESSON17_TASK3_NOT_STARTED
-  if (version >= 3) throw NotImplemented("lesson 17, task 3: softmax_tile_exp2 (version 3)");
+  if (version >= 3) throw NotImplemented("lesson 17, task 3: softmax_tile_exp2 (versions 3 and up)");
+#endif
+#ifdef CP_LESSON17_TASK4_NOT_STARTED
+  if (version >= 4) throw NotImplemented("lesson 17, task 4: compute_scores_wide and accumulate_pv_wide (versions 4 "
+                                         "and up)");
+#endif
+#ifdef CP_LESSON17_TASK5_NOT_STARTED
+  if (version >= 5) throw NotImplemented("lesson 17, task 5: block_work (version 5)");
 #endif
   if (p.batch * p.heads_q == 0 || p.seq_q == 0) return;
   kernels::dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     if constexpr (sizeof(T) == 2) {
-      if (p.head_dim == 64) launch_version<T, 64>(version, q, k, v, out, lse, q_first, q_last, k_pos, p, stream);
-      else launch_version<T, 128>(version, q, k, v, out, lse, q_first, q_last, k_pos, p, stream);
+      if (p.head_dim == 64) launch_versions<T, 64>(version, q, k, v, out, lse, q_first, q_last, k_pos, p, stream);
+      else launch_versions<T, 128>(version, q, k, v, out, lse, q_first, q_last, k_pos, p, stream);
     }
   });
   kernels::throw_on_emulation_fault(stream, "fast_forward_kernel");

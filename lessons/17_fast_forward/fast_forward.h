@@ -1,6 +1,7 @@
 // Lesson 17 — the fast forward: lesson 16's kernel as a ladder of numbered versions, each one idea
 // more than the one before. The kernels are in fast_forward.cu (interface: fast_forward.cuh); the
-// steps you write are in fast_forward_steps.cuh (tasks 1 and 3) and fast_forward.cu (task 2).
+// steps you write are in fast_forward_steps.cuh (tasks 1, 3 and 4), fast_forward.cu (task 2) and
+// block_order.h (task 5).
 #pragma once
 
 namespace cp {
@@ -10,8 +11,11 @@ namespace cp {
 ///   2  K and V tiles by cp.async with compile-time strides, in FlashAttention-2's order: V_j's copy
 ///      in flight during S_j = Q·K_jᵀ, K_{j+1}'s during the softmax and P·V_j;
 ///   3  the mask only where a tile is cut (a tile every row of the block sees whole runs without a
-///      test per score) and the softmax in base 2 with the scale folded into one multiply.
-constexpr int kFastForwardVersions = 3;
+///      test per score) and the softmax in base 2 with the scale folded into one multiply;
+///   4  128 query rows a block, 32 a warp: every ldmatrix an .x4, every K and V fragment it loads
+///      multiplied with two groups of 16 rows; Q stays in shared memory;
+///   5  the blocks that see the most keys (under a causal mask) started first.
+constexpr int kFastForwardVersions = 5;
 
 /// What version `version` adds, in a few words (for tables). A cp::Error outside 1 … kFastForwardVersions.
 const char* fast_forward_version_name(int version);

@@ -61,4 +61,40 @@ __device__ __forceinline__ void softmax_tile_exp2(FragC (&s)[kBc / 8], FragC (&o
   // END YOUR CODE
 }
 
+/// Versions 4 and up: 128 query rows a block, 32 a warp, as two groups of lesson 16's 16 rows
+/// (group i of warp w: rows 32·w + 16·i … 32·w + 16·i + 15 of the block). Lane (g, t) holds of
+/// each group the rows and columns of lesson 16's C fragments.
+constexpr int kGroups = 2;
+constexpr int kWideRows = kGroups * 16 * kWarps;
+
+/// Task 4 (version 4). s[i][nt] = Q · Kᵀ for group i of the warp's rows and keys 8·nt … 8·nt + 7,
+/// float32, unscaled and unmasked, where Q is read from `q_tile` ([kWideRows][kLd<D>] in shared
+/// memory; it stays there, no Q fragment is kept from tile to tile) and K from `k_tile` ([kBc][kLd<D>]).
+/// Every ldmatrix is an .x4 (four 8×8 matrices), and every fragment of K it loads is multiplied
+/// with both groups' Q.
+template <typename T, int D>
+__device__ __forceinline__ void compute_scores_wide(FragC (&s)[kGroups][kBc / 8], const T* q_tile, const T* k_tile,
+                                                    int warp, int lane) {
+  // BEGIN YOUR CODE task 4: S for two groups, every ldmatrix .x4
+  // TODO(lesson 17, task 4): s[i][nt] in C's layout: Q·Kᵀ of group i's 16 rows and keys 8nt … 8nt+7,
+  // summed over all D dims; Q and K both by ldmatrix .x4, each K fragment used by both groups.
+  // README, "Task 4". Delete the #define below once written: the task 4 test waits for it.
+  #define CP_LESSON17_TASK4_NOT_STARTED 1
+  (void)s, (void)q_tile, (void)k_tile, (void)warp, (void)lane;
+  // END YOUR CODE
+}
+
+/// Task 4 (version 4). o[i][dt] += P · V for group i and dims 8·dt … 8·dt + 7: P in s (group i's
+/// softmax_tile_exp2), rounded to T as the A operand; V from `v_tile` ([kBc][kLd<D>], keys × dims)
+/// by ldmatrix .x4.trans, every fragment of V multiplied with both groups' P.
+template <typename T, int D>
+__device__ __forceinline__ void accumulate_pv_wide(FragC (&o)[kGroups][D / 8], const FragC (&s)[kGroups][kBc / 8],
+                                                   const T* v_tile, int lane) {
+  // BEGIN YOUR CODE task 4: O += P·V for two groups, V by .x4.trans
+  // TODO(lesson 17, task 4): o[i][dt] must gain P·V of this tile for group i and dims 8dt … 8dt+7, P from
+  // s rounded to T, V by ldmatrix .x4.trans, each V fragment used by both groups. README, "Task 4".
+  (void)o, (void)s, (void)v_tile, (void)lane;
+  // END YOUR CODE
+}
+
 }  // namespace cp::fast_forward

@@ -105,4 +105,87 @@ CP_FRAGMENT_LOOP
   // END SOLUTION
 }
 
+/// Versions 4 and up: 128 query rows a block, 32 a warp, as two groups of lesson 16's 16 rows
+/// (group i of warp w: rows 32·w + 16·i … 32·w + 16·i + 15 of the block). Lane (g, t) holds of
+/// each group the rows and columns of lesson 16's C fragments.
+constexpr int kGroups = 2;
+constexpr int kWideRows = kGroups * 16 * kWarps;
+
+/// Task 4 (version 4). s[i][nt] = Q · Kᵀ for group i of the warp's rows and keys 8·nt … 8·nt + 7,
+/// float32, unscaled and unmasked, where Q is read from `q_tile` ([kWideRows][kLd<D>] in shared
+/// memory; it stays there, no Q fragment is kept from tile to tile) and K from `k_tile` ([kBc][kLd<D>]).
+/// Every ldmatrix is an .x4 (four 8×8 matrices), and every fragment of K it loads is multiplied
+/// with both groups' Q.
+template <typename T, int D>
+__device__ __forceinline__ void compute_scores_wide(FragC (&s)[kGroups][kBc / 8], const T* q_tile, const T* k_tile,
+                                                    int warp, int lane) {
+  // BEGIN SOLUTION task 4: S for two groups, every ldmatrix .x4
+  // STUB: // TODO(lesson 17, task 4): s[i][nt] in C's layout: Q·Kᵀ of group i's 16 rows and keys 8nt … 8nt+7,
+  // STUB: // summed over all D dims; Q and K both by ldmatrix .x4, each K fragment used by both groups.
+  // STUB: // README, "Task 4". Delete the #define below once written: the task 4 test waits for it.
+  // STUB: #define CP_LESSON17_TASK4_NOT_STARTED 1
+  // STUB: (void)s, (void)q_tile, (void)k_tile, (void)warp, (void)lane;
+CP_FRAGMENT_LOOP
+  for (int i = 0; i < kGroups; ++i)
+CP_FRAGMENT_LOOP
+    for (int nt = 0; nt < kBc / 8; ++nt) s[i][nt] = FragC{};
+CP_FRAGMENT_LOOP
+  for (int kk = 0; kk < D / 16; ++kk) {
+    FragA qa[kGroups];  // dims 16kk … 16kk+15 of each group's rows, as lesson 16's task 1 loads them
+CP_FRAGMENT_LOOP
+    for (int i = 0; i < kGroups; ++i)
+      kernels::ldmatrix_x4(qa[i].x, q_tile + (32 * warp + 16 * i + lane % 16) * kLd<D> + 16 * kk + 8 * (lane / 16));
+CP_FRAGMENT_LOOP
+    for (int nt = 0; nt < kBc / 8; nt += 2) {
+      // Matrices 0, 1: keys 8nt … 8nt+7, dims 16kk … +7 and 16kk+8 … +15 (nt's B fragment);
+      // matrices 2, 3: the same for keys 8(nt+1) … (nt+1's). Lane l gives row l % 8 of matrix l / 8.
+      uint32_t kb[4];
+      kernels::ldmatrix_x4(kb, k_tile + (8 * nt + 8 * (lane / 16) + lane % 8) * kLd<D> + 16 * kk + 8 * ((lane / 8) % 2));
+      const FragB b0{{kb[0], kb[1]}}, b1{{kb[2], kb[3]}};
+CP_FRAGMENT_LOOP
+      for (int i = 0; i < kGroups; ++i) {
+        kernels::mma<T>(s[i][nt], qa[i], b0);
+        kernels::mma<T>(s[i][nt + 1], qa[i], b1);
+      }
+    }
+  }
+  // END SOLUTION
+}
+
+/// Task 4 (version 4). o[i][dt] += P · V for group i and dims 8·dt … 8·dt + 7: P in s (group i's
+/// softmax_tile_exp2), rounded to T as the A operand; V from `v_tile` ([kBc][kLd<D>], keys × dims)
+/// by ldmatrix .x4.trans, every fragment of V multiplied with both groups' P.
+template <typename T, int D>
+__device__ __forceinline__ void accumulate_pv_wide(FragC (&o)[kGroups][D / 8], const FragC (&s)[kGroups][kBc / 8],
+                                                   const T* v_tile, int lane) {
+  // BEGIN SOLUTION task 4: O += P·V for two groups, V by .x4.trans
+  // STUB: // TODO(lesson 17, task 4): o[i][dt] must gain P·V of this tile for group i and dims 8dt … 8dt+7, P from
+  // STUB: // s rounded to T, V by ldmatrix .x4.trans, each V fragment used by both groups. README, "Task 4".
+  // STUB: (void)o, (void)s, (void)v_tile, (void)lane;
+CP_FRAGMENT_LOOP
+  for (int kk = 0; kk < kBc / 16; ++kk) {
+    FragA pa[kGroups];  // lesson 16's task 3: two C fragments of P are one A fragment
+CP_FRAGMENT_LOOP
+    for (int i = 0; i < kGroups; ++i) {
+      pa[i].x[0] = kernels::pack2<T>(s[i][2 * kk].x[0], s[i][2 * kk].x[1]);
+      pa[i].x[1] = kernels::pack2<T>(s[i][2 * kk].x[2], s[i][2 * kk].x[3]);
+      pa[i].x[2] = kernels::pack2<T>(s[i][2 * kk + 1].x[0], s[i][2 * kk + 1].x[1]);
+      pa[i].x[3] = kernels::pack2<T>(s[i][2 * kk + 1].x[2], s[i][2 * kk + 1].x[3]);
+    }
+CP_FRAGMENT_LOOP
+    for (int dt = 0; dt < D / 8; dt += 2) {
+      // Matrices 0, 1: keys 16kk … +7 and 16kk+8 … +15 of dims 8dt … +7; 2, 3: of dims 8(dt+1) … +7.
+      uint32_t vb[4];
+      kernels::ldmatrix_x4_trans(vb, v_tile + (16 * kk + lane % 16) * kLd<D> + 8 * dt + 8 * (lane / 16));
+      const FragB b0{{vb[0], vb[1]}}, b1{{vb[2], vb[3]}};
+CP_FRAGMENT_LOOP
+      for (int i = 0; i < kGroups; ++i) {
+        kernels::mma<T>(o[i][dt], pa[i], b0);
+        kernels::mma<T>(o[i][dt + 1], pa[i], b1);
+      }
+    }
+  }
+  // END SOLUTION
+}
+
 }  // namespace cp::fast_forward

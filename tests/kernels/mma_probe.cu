@@ -37,17 +37,21 @@ __global__ void mma_probe_kernel(MmaProbe p) {
   ldmatrix_x4(fa.x, a_s + (lane % 16) * kLd + 8 * (lane / 16));
   ldmatrix_x2(fb.x, bt_s + (lane % 8) * kLd + 8 * ((lane / 8) % 2));
   ldmatrix_x2_trans(fbt.x, b_s + (lane % 16) * kLd);
+  uint32_t a_as_b[4];  // A read as two B fragments (k × n, n-tiles 0 and 1): .x4.trans
+  ldmatrix_x4_trans(a_as_b, a_s + (lane % 16) * kLd + 8 * (lane / 16));
   FragA wrong_a;
   FragB wrong_b;
   if (p.misuse == 1) ldmatrix_x4(wrong_a.x, a + (lane % 16) * 16 + 8 * (lane / 16));
   if (p.misuse == 2) ldmatrix_x2(wrong_b.x, bt_s + (lane % 8) * kLd + 1);
   if (p.misuse == 3) ldmatrix_x2_trans(wrong_b.x, b + (lane % 16) * 8);
+  if (p.misuse == 4) ldmatrix_x4_trans(wrong_a.x, a + (lane % 16) * 16 + 8 * (lane / 16));
   (void)wrong_a, (void)wrong_b;
   for (int e = 0; e < 8; ++e) p.a_frag[lane * 8 + e] = unpack<T>(fa.x[e / 2], e % 2);
   for (int e = 0; e < 4; ++e) {
     p.b_frag[lane * 4 + e] = unpack<T>(fb.x[e / 2], e % 2);
     p.bt_frag[lane * 4 + e] = unpack<T>(fbt.x[e / 2], e % 2);
   }
+  for (int e = 0; e < 8; ++e) p.a_as_b_frags[lane * 8 + e] = unpack<T>(a_as_b[e / 2], e % 2);
 
   // Fragments read from global memory by the map alone: the product without ldmatrix.
   FragA ma;

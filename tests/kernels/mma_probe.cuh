@@ -16,11 +16,14 @@ struct MmaProbe {
   float* a_frag;   ///< [32][8]: element e of lane, ldmatrix_x4 from A in shared memory
   float* b_frag;   ///< [32][4]: ldmatrix_x2 from Bᵀ ([n][k], as K is stored) in shared memory
   float* bt_frag;  ///< [32][4]: ldmatrix_x2_trans from B ([k][n], as V is stored) in shared memory
+  float* a_as_b_frags;  ///< [32][8]: ldmatrix_x4_trans of A ([k][n]): elements 0–3 the B fragment of
+                        ///< A's columns 0–7, 4–7 that of columns 8–15
   float* d_map;    ///< [16][8]: A·B + C from fragments each lane reads from global memory by the map
   float* d_ld;     ///< [16][8]: the same product from the ldmatrix fragments
   /// A mistake the probe makes on purpose after its loads, to show CUDA on the CPU refusing it as
   /// a GPU would: 0 none, 1 ldmatrix_x4 of A from global memory, 2 ldmatrix_x2 of a row address
-  /// 2 bytes past a 16-byte boundary, 3 ldmatrix_x2_trans from global memory.
+  /// 2 bytes past a 16-byte boundary, 3 ldmatrix_x2_trans from global memory, 4 ldmatrix_x4_trans
+  /// from global memory.
   int misuse = 0;
 };
 
