@@ -16,8 +16,8 @@
 // float32 and summed in k order; the hardware's order and rounding inside one mma are its own, so
 // the two agree to float32 rounding, not bit for bit. Under CUDA on the CPU the emulated ldmatrix
 // also refuses what the hardware refuses, an address outside the shared memory the kernel
-// declared or not 16-byte aligned (kernels/strict_shared.cuh: declare_shared, and the launcher's
-// throw_on_emulation_fault).
+// declared or not 16-byte aligned, and what it only slows down, rows of one phase on the same
+// banks (kernels/strict_shared.cuh: declare_shared, and the launcher's throw_on_emulation_fault).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -95,6 +95,17 @@ __device__ __forceinline__ const uint16_t* pull_address(const void* p, int src) 
   const uint32_t lo = pull(static_cast<uint32_t>(a), src), hi = pull(static_cast<uint32_t>(a >> 32), src);
   return reinterpret_cast<const uint16_t*>((static_cast<uint64_t>(hi) << 32) | lo);
 }
+/// Records a bank conflict unless each phase of an ldmatrix is free of them. The hardware reads
+/// the 8 rows of a matrix (lanes 8m … 8m+7 give their addresses) at once; a row of 16 bytes
+/// covers 4 of the 32 banks of 4 bytes, the group (address / 16) mod 8, so the 8 rows need 8
+/// different groups. `matrices`: 4 for .x4, 2 for .x2. Every lane calls it.
+__device__ __forceinline__ void expect_conflict_free(const void* row, int matrices) {
+  const int lane = static_cast<int>(threadIdx.x % kWarpSize);
+  unsigned groups = 1u << ((reinterpret_cast<uintptr_t>(row) / 16) % 8);
+  for (int offset = 1; offset < 8; offset *= 2)  // OR over the 8 lanes of the phase
+    groups |= static_cast<unsigned>(__shfl_xor_sync(kFullWarp, static_cast<int>(groups), offset));
+  expect(lane >= 8 * matrices || groups == 0xffu, kLdmatrixBankConflict);
+}
 /// Two consecutive 16-bit elements at p (p[0] in the low half).
 __device__ __forceinline__ uint32_t load_pair(const uint16_t* p) { return p[0] | (static_cast<uint32_t>(p[1]) << 16); }
 #endif
@@ -112,6 +123,7 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
 #else
   const int lane = static_cast<int>(threadIdx.x % kWarpSize), g = lane / 4, t = lane % 4;
   expect_shared_16(row, kLdmatrixNotShared, kLdmatrixMisaligned);
+  expect_conflict_free(row, 4);
   CP_FRAGMENT_LOOP
   for (int m = 0; m < 4; ++m) r[m] = load_pair(pull_address(row, 8 * m + g) + 2 * t);
 #endif
@@ -128,6 +140,7 @@ __device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], const void* row) {
 #else
   const int lane = static_cast<int>(threadIdx.x % kWarpSize), g = lane / 4, t = lane % 4;
   if (lane < 16) expect_shared_16(row, kLdmatrixNotShared, kLdmatrixMisaligned);
+  expect_conflict_free(row, 2);
   CP_FRAGMENT_LOOP
   for (int m = 0; m < 2; ++m) r[m] = load_pair(pull_address(row, 8 * m + g) + 2 * t);
 #endif
@@ -145,6 +158,7 @@ __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&r)[2], const void* 
 #else
   const int lane = static_cast<int>(threadIdx.x % kWarpSize), g = lane / 4, t = lane % 4;
   if (lane < 16) expect_shared_16(row, kLdmatrixNotShared, kLdmatrixMisaligned);
+  expect_conflict_free(row, 2);
   CP_FRAGMENT_LOOP
   for (int m = 0; m < 2; ++m) {
     const uint16_t* even = pull_address(row, 8 * m + 2 * t);
@@ -165,6 +179,7 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
 #else
   const int lane = static_cast<int>(threadIdx.x % kWarpSize), g = lane / 4, t = lane % 4;
   expect_shared_16(row, kLdmatrixNotShared, kLdmatrixMisaligned);
+  expect_conflict_free(row, 4);
   CP_FRAGMENT_LOOP
   for (int m = 0; m < 4; ++m) {
     const uint16_t* even = pull_address(row, 8 * m + 2 * t);

@@ -1,5 +1,6 @@
 // What the emulation of the matrix-unit instructions refuses, as the hardware does: ldmatrix and
-// cp.async read or write shared memory, 16 bytes aligned. On a GPU, ldmatrix on a global address
+// cp.async read or write shared memory, 16 bytes aligned. And one thing the hardware allows at a
+// price: an ldmatrix whose rows share banks (the course's kernels have none, and keep none). On a GPU, ldmatrix on a global address
 // faults or reads garbage; under CUDA on the CPU (chipStar + PoCL) every address is an ordinary
 // pointer and the same mistake would read the right numbers and pass. So there the emulation
 // checks each address against the shared-memory regions the kernel declared (declare_shared) and
@@ -41,6 +42,7 @@ enum EmulationFault : unsigned {
   kAsyncCopyNotShared = 4u,    ///< cp.async's destination outside the declared shared memory
   kAsyncCopyMisaligned = 8u,   ///< a cp.async source or destination not 16-byte aligned
   kAsyncCopyOverflow = 16u,    ///< more copies in flight than the emulation keeps (AsyncCopies)
+  kLdmatrixBankConflict = 32u, ///< the 8 rows of an ldmatrix phase on fewer than 8 groups of banks
 };
 
 // Everything below has internal linkage: each .cu file is a module of its own under CUDA on the
@@ -121,6 +123,8 @@ inline void throw_on_emulation_fault(cudaStream_t stream, const char* kernel) {
   add(kAsyncCopyNotShared, "cp.async wrote outside the shared memory the kernel declared");
   add(kAsyncCopyMisaligned, "a cp.async address is not 16-byte aligned");
   add(kAsyncCopyOverflow, "more cp.async copies in flight than the emulation keeps (wait for a group first)");
+  add(kLdmatrixBankConflict, "two of the 8 rows an ldmatrix reads at once share banks (a bank conflict: a GPU reads "
+                             "them one after the other; is the tile's row stride padded?)");
   throw Error(std::string(kernel) + ", under CUDA on the CPU: " + what, __FILE__, __LINE__);
 #else
   (void)stream, (void)kernel;

@@ -12,17 +12,39 @@ using namespace cp::fast_forward;
 
 constexpr uint16_t kUntouched = 0x7777;  // what the tile holds before the copies
 
+/// Copies that land at once and log where each goes, in the order a thread issues them: the
+/// places the bank test reads.
+template <int kCopies>
+struct LoggedCopies {
+  const uint16_t* tile;
+  int32_t* places;  // [kThreads][kCopies], −1 first
+  int issued = 0;
+
+  __device__ void copy16(void* dst, const void* src) {
+    if (issued < kCopies)
+      places[threadIdx.x * kCopies + issued] = static_cast<int32_t>((static_cast<uint16_t*>(dst) - tile) / 8);
+    ++issued;
+    *static_cast<uint4*>(dst) = *static_cast<const uint4*>(src);
+  }
+};
+
 template <int D>
 __global__ void __launch_bounds__(kThreads) task1_probe_kernel(Lesson17Task1Probe p) {
   __shared__ __align__(16) uint16_t tile[kBc * kLd<D>];
   kernels::declare_shared(tile, sizeof tile);
   for (int i = threadIdx.x; i < kBc * kLd<D>; i += kThreads) tile[i] = kUntouched;
   __syncthreads();
-  kernels::AsyncCopies<kCopiesPerThread<D, kBc>> copies;
-  issue_tile_copies<__half, D, kBc>(copies, reinterpret_cast<__half*>(tile), reinterpret_cast<const __half*>(p.src),
-                                    p.row0, p.n);
-  copies.commit();
-  copies.wait_all();
+  if (p.places) {
+    LoggedCopies<kCopiesPerThread<D, kBc>> copies{tile, p.places};
+    issue_tile_copies<__half, D, kBc>(copies, reinterpret_cast<__half*>(tile), reinterpret_cast<const __half*>(p.src),
+                                      p.row0, p.n);
+  } else {
+    kernels::AsyncCopies<kCopiesPerThread<D, kBc>> copies;
+    issue_tile_copies<__half, D, kBc>(copies, reinterpret_cast<__half*>(tile), reinterpret_cast<const __half*>(p.src),
+                                      p.row0, p.n);
+    copies.commit();
+    copies.wait_all();
+  }
   __syncthreads();  // every thread's copies have landed
   for (int i = threadIdx.x; i < kBc * kLd<D>; i += kThreads) p.tile[i] = tile[i];
 }

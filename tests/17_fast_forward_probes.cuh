@@ -16,6 +16,10 @@ struct Lesson17Task1Probe {
   int n;                ///< rows that exist from row0 (the rest of the tile's 64 rows: zeros)
   uint16_t* tile;       ///< out: [64, D + 8], the shared tile after the copies, every row's padding too
   int64_t head_dim;     ///< 64 or 128
+  /// out, if not null: [128 threads][copies a thread issues], the place in the tile of each copy
+  /// as 16-byte pieces from its start, −1 for a copy not issued (the copies then land at once,
+  /// not through cp.async: the log is of the pattern, for the bank test).
+  int32_t* places = nullptr;
 };
 void launch_lesson17_task1_probe(const Lesson17Task1Probe& probe, cudaStream_t stream);
 

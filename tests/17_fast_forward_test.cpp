@@ -34,12 +34,11 @@ CP_TEST(Lesson17, Task5_EveryBlockOnceTheLongestFirst) {
 #ifdef CP_LESSON17_TASK5_NOT_STARTED
   throw NotImplemented("lesson 17, task 5: block_work (delete the #define of task 5 in block_order.h once written)");
 #endif
-  for (const auto& [heads, row_blocks] : std::vector<std::pair<int64_t, int64_t>>{{1, 1}, {1, 7}, {16, 1}, {3, 5},
-                                                                                   {32, 64}}) {
+  for (const auto& [heads, row_blocks] : std::vector<std::pair<int, int>>{{1, 1}, {1, 7}, {16, 1}, {3, 5}, {32, 64}}) {
     const std::string grid = std::to_string(heads) + " heads × " + std::to_string(row_blocks) + " row blocks";
-    std::set<std::pair<int64_t, int64_t>> seen;
-    int64_t previous_work = INT64_MAX;
-    for (int64_t launched = 0; launched < heads * row_blocks; ++launched) {
+    std::set<std::pair<int, int>> seen;
+    int previous_work = INT32_MAX;
+    for (int launched = 0; launched < heads * row_blocks; ++launched) {
       const BlockWork w = block_work(launched, heads, row_blocks);
       ASSERT_TRUE(w.bh >= 0 && w.bh < heads && w.row_block >= 0 && w.row_block < row_blocks)
           << grid << ": block " << launched << " got (bh " << w.bh << ", row block " << w.row_block
@@ -47,7 +46,7 @@ CP_TEST(Lesson17, Task5_EveryBlockOnceTheLongestFirst) {
       EXPECT_TRUE(seen.insert({w.bh, w.row_block}).second)
           << grid << ": (bh " << w.bh << ", row block " << w.row_block << ") is the work of two blocks";
       // Causal, with Sq = Sk: the rows of row block r see about r + 1 tiles of keys.
-      const int64_t work = w.row_block + 1;
+      const int work = w.row_block + 1;
       EXPECT_LE(work, previous_work) << grid << ": block " << launched << " (row block " << w.row_block
                                      << ") starts after a block with less work (a short block first leaves "
                                      << "a long one for the last wave)";
@@ -131,6 +130,35 @@ CP_TEST(Lesson17Kernels, Task4_WideStepsComputeBothGroupsProducts) {
         << at << ": accumulate_pv_wide: " << o_wrong.sum().item<int64_t>() << " of 128×" << d
         << " outputs differ from P·V (P = the scores); dims with a wrong output: "
         << torch::nonzero(o_wrong.any(0)).flatten();
+  }
+}
+
+CP_TEST(Lesson17Kernels, Task1_EachQuarterWarpsCopiesFallOnDifferentBanks) {
+  CP_REQUIRE_CUDA_RUNTIME();
+  for (int64_t d : {64, 128}) {
+    // A whole tile, every copy issued; the log holds each copy's place in the tile (16-byte pieces).
+    const int copies = static_cast<int>(64 * d / 8 / 128);
+    const torch::Tensor src = torch::zeros({64, d}, torch::kShort);
+    CudaStream stream;
+    DeviceBuffer src_dev(src), tile({64, d + 8}, torch::kShort), places(torch::full({128, copies}, -1, torch::kInt));
+    testing::Lesson17Task1Probe probe{static_cast<const uint16_t*>(src_dev.get()), 0, 64,
+                                      static_cast<uint16_t*>(tile.get()), d};
+    probe.places = places.as<int32_t>();
+    testing::launch_lesson17_task1_probe(probe, stream.get());
+    const torch::Tensor got = places.to_host(stream.get());
+    ASSERT_EQ(got.eq(-1).sum().item<int64_t>(), 0)
+        << "D = " << d << ": a thread issued fewer than " << copies << " copies for a whole tile:\n" << got;
+    // A GPU stores a warp's 16-byte pieces a quarter-warp (8 lanes, 128 bytes) at a time; 8 pieces
+    // on 8 different groups of 4 banks, (place mod 8), go at once, two on one group take turns.
+    for (int warp = 0; warp < 4; ++warp)
+      for (int i = 0; i < copies; ++i)
+        for (int quarter = 0; quarter < 4; ++quarter) {
+          const torch::Tensor lanes = got.narrow(0, 32 * warp + 8 * quarter, 8).select(1, i);
+          const int64_t groups = std::get<0>(torch::_unique(lanes.remainder(8))).numel();
+          EXPECT_EQ(groups, 8) << "D = " << d << ", copy " << i << " of warp " << warp << ", lanes "
+                               << 8 * quarter << "–" << 8 * quarter + 7 << ": the pieces " << lanes
+                               << " fall on " << groups << " groups of banks, not 8 (a bank conflict)";
+        }
   }
 }
 

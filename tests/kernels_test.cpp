@@ -103,7 +103,8 @@ CP_TEST(KernelsMmaKernels, TheEmulationRefusesWhatTheHardwareRefuses) {
   CP_REQUIRE_CUDA_RUNTIME();
 #if defined(CP_CUDA_CPU_ROOT)
   // Under CUDA on the CPU every address is a plain pointer, so ldmatrix from global memory would
-  // read the right numbers; the emulation refuses it, as a GPU would fault or read garbage.
+  // read the right numbers; the emulation refuses it, as a GPU would fault or read garbage. It
+  // also refuses a phase whose rows share banks, which a GPU runs, slower.
   const torch::Tensor a = torch::ones({16, 16}, torch::kHalf), b = torch::ones({16, 8}, torch::kHalf);
   run_probe(a, b, torch::zeros({16, 8}));  // no mistake: no error
   testing::expect_errors({
@@ -115,6 +116,8 @@ CP_TEST(KernelsMmaKernels, TheEmulationRefusesWhatTheHardwareRefuses) {
        "ldmatrix read an address outside the shared memory the kernel declared"},
       {"ldmatrix_x4_trans of A in global memory", [&] { run_probe(a, b, torch::zeros({16, 8}), 4); },
        "ldmatrix read an address outside the shared memory the kernel declared"},
+      {"ldmatrix_x2 of 8 rows 96 bytes apart (two rows on each group of banks)",
+       [&] { run_probe(a, b, torch::zeros({16, 8}), 5); }, "two of the 8 rows an ldmatrix reads at once share banks"},
   });
 #else
   GTEST_SKIP() << "a GPU's own ldmatrix faults or reads garbage on these addresses: compute-sanitizer's memcheck "

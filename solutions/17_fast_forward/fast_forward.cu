@@ -142,11 +142,12 @@ __global__ void __launch_bounds__(kThreads)
 
   // The block's work: lesson 16's grid (heads × row blocks), or from version 5 task 5's order.
   const int64_t row_blocks = (p.seq_q + kRowsOf<V> - 1) / kRowsOf<V>;
-  const BlockWork work = V >= 5 ? block_work(blockIdx.x, p.batch * p.heads_q, row_blocks)
-                                : BlockWork{blockIdx.x, static_cast<int64_t>(blockIdx.y)};
+  const BlockWork work = V >= 5 ? block_work(static_cast<int>(blockIdx.x), static_cast<int>(p.batch * p.heads_q),
+                                           static_cast<int>(row_blocks))
+                                : BlockWork{static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y)};
   const int64_t bh = work.bh, b = bh / p.heads_q, h = bh % p.heads_q;
   const int64_t bh_kv = b * p.heads_kv + h / (p.heads_q / p.heads_kv);
-  const int64_t row0 = work.row_block * kRowsOf<V>;
+  const int64_t row0 = static_cast<int64_t>(work.row_block) * kRowsOf<V>;
   const int warp = threadIdx.x / kernels::kWarpSize, lane = threadIdx.x % kernels::kWarpSize;
   const T* k_head = k + bh_kv * p.seq_k * D;
   const T* v_head = v + bh_kv * p.seq_k * D;

@@ -24,10 +24,10 @@ constexpr int kCopiesPerThread = kRows * (D / 8) / kThreads;
 /// without waiting for them, and writes zeros into rows n … kRows − 1 (a tile past the end of the
 /// sequence). Every thread of the block calls it and issues kCopiesPerThread<D, kRows> pieces of 16
 /// bytes, each at a place the compiler knows (no loop whose trip count depends on the data), and
-/// consecutive threads take consecutive pieces of a row. The caller commits the group.
-template <typename T, int D, int kRows, int kMax>
-__device__ __forceinline__ void issue_tile_copies(kernels::AsyncCopies<kMax>& copies, T* tile, const T* src,
-                                                  int64_t row0, int n) {
+/// consecutive threads take consecutive pieces of a row. The caller commits the group. `copies`:
+/// a kernels::AsyncCopies (the tests' probe passes one that also logs where each copy goes).
+template <typename T, int D, int kRows, typename Copies>
+__device__ __forceinline__ void issue_tile_copies(Copies& copies, T* tile, const T* src, int64_t row0, int n) {
   static_assert(kRows * (D / 8) % kThreads == 0, "a tile is a whole number of pieces for every thread");
   // BEGIN SOLUTION task 1: the tile's copies, issued all at once
   // STUB: // TODO(lesson 17, task 1): every piece of 16 bytes of the tile started with copies.copy16, each

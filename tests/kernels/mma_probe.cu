@@ -45,6 +45,7 @@ __global__ void mma_probe_kernel(MmaProbe p) {
   if (p.misuse == 2) ldmatrix_x2(wrong_b.x, bt_s + (lane % 8) * kLd + 1);
   if (p.misuse == 3) ldmatrix_x2_trans(wrong_b.x, b + (lane % 16) * 8);
   if (p.misuse == 4) ldmatrix_x4_trans(wrong_a.x, a + (lane % 16) * 16 + 8 * (lane / 16));
+  if (p.misuse == 5) ldmatrix_x2(wrong_b.x, a_s + 2 * (lane % 8) * kLd);  // rows 96 bytes apart: 4 groups of banks
   (void)wrong_a, (void)wrong_b;
   for (int e = 0; e < 8; ++e) p.a_frag[lane * 8 + e] = unpack<T>(fa.x[e / 2], e % 2);
   for (int e = 0; e < 4; ++e) {

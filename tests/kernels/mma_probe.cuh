@@ -23,7 +23,7 @@ struct MmaProbe {
   /// A mistake the probe makes on purpose after its loads, to show CUDA on the CPU refusing it as
   /// a GPU would: 0 none, 1 ldmatrix_x4 of A from global memory, 2 ldmatrix_x2 of a row address
   /// 2 bytes past a 16-byte boundary, 3 ldmatrix_x2_trans from global memory, 4 ldmatrix_x4_trans
-  /// from global memory.
+  /// from global memory, 5 ldmatrix_x2 of rows whose phase shares banks.
   int misuse = 0;
 };
 
