@@ -35,6 +35,7 @@
 #include "common/cli.h"
 #include "common/error.h"
 #include "common/world.h"
+#include "fast_forward.h"
 #include "ring_attention.h"
 #include "ring_attention_backward.h"
 #include "tensor_cores.h"
@@ -45,9 +46,6 @@
 #endif
 #if CP_TORCH_CUDA
 #include <cuda_runtime_api.h>
-
-#include "common/device.h"
-#include "fast_forward.cuh"
 #endif
 
 namespace {
@@ -60,26 +58,6 @@ torch::ScalarType dtype_of(const std::string& name) {
   CP_CHECK(dtype != torch::kDouble, "--dtypes: the kernels take float32, float16 or bfloat16, got float64");
   return dtype;
 }
-
-#if CP_TORCH_CUDA
-/// Lesson 17's version `version` on contiguous CUDA tensors [1, H, S, D] of 16 bits, positions
-/// 0 … S − 1: its kernel launched directly, with lesson 03's visible ranges.
-cp::AttnResult fast_forward_version(int version, const torch::Tensor& q, const torch::Tensor& k,
-                                    const torch::Tensor& v, const cp::AttentionMask& mask) {
-  const int64_t h = q.size(1), s = q.size(2), d = q.size(3);
-  const torch::Tensor positions = torch::arange(s, q.options().dtype(torch::kLong));
-  const cp::VisibleKeys keys = cp::visible_keys(mask, positions);
-  cp::AttnResult result{torch::empty_like(q), torch::empty({1, h, s}, q.options().dtype(torch::kFloat))};
-  const cp::BlockAttentionParams params{1, h, h, s, s, d, static_cast<float>(1.0 / std::sqrt(static_cast<double>(d))),
-                                        keys.masked};
-  cp::launch_fast_forward(version, q.data_ptr(), k.data_ptr(), v.data_ptr(), result.out.data_ptr(),
-                          result.lse.data_ptr<float>(), keys.masked ? keys.first.data_ptr<int64_t>() : nullptr,
-                          keys.masked ? keys.last.data_ptr<int64_t>() : nullptr, positions.data_ptr<int64_t>(), params,
-                          q.scalar_type() == torch::kHalf ? cp::DType::Float16 : cp::DType::BFloat16,
-                          cp::current_cuda_stream());
-  return result;
-}
-#endif
 
 /// Waits for the device's queued work (the GPU's, timed from the host), nothing on the CPU.
 void sync(const torch::Device& device) {
@@ -162,19 +140,17 @@ void attention_table(const torch::Device& device, const std::vector<std::string>
                  },
                  sdpa_forward});
             row("fwd-tc", fwd_flop, tc_ms, relative_error(tc.out, sdpa_out));
-#if CP_TORCH_CUDA
             for (int version = 2; version <= cp::kFastForwardVersions; ++version) {  // lesson 17's ladder
               cp::AttnResult ff;
               const std::vector<double> ff_ms = cp::bench::median_ms(
                   repeats, true,
                   {[&] {
-                     ff = fast_forward_version(version, q, k, v, mask);
+                     ff = cp::attention_forward_fast(version, q, k, v, mask);
                      sync(device);
                    },
                    sdpa_forward});
               row(("fwd-v" + std::to_string(version)).c_str(), fwd_flop, ff_ms, relative_error(ff.out, sdpa_out));
             }
-#endif
           }
 
           cp::AttnGrads grads;

@@ -12,10 +12,15 @@
 #include <utility>
 #include <vector>
 
+#include <cmath>
+
 #include "attention_kernel_suite.h"
 #include "block_order.h"
 #include "common/error.h"
+#include "common/tolerance.h"
+#include "common/world.h"
 #include "fast_forward.h"
+#include "ring_attention.h"
 #include "testing/device_buffer.h"
 #include "testing/harness.h"
 #include "testing/oracle.h"
@@ -27,6 +32,8 @@
 
 namespace cp {
 namespace {
+
+std::string name(int number) { return "version " + std::to_string(number); }
 
 // ── Task 5: the order of the blocks (host code: no GPU needed) ─────────────────────────────────
 
@@ -68,7 +75,6 @@ testing::AttentionLaunch version(int number) {
   };
 }
 
-std::string name(int number) { return "version " + std::to_string(number); }
 
 // ── Task 1: the tile's copies ────────────────────────────────────────────────────────────────
 
@@ -212,6 +218,57 @@ CP_TEST(Lesson17Kernels, Task2_BadInputGivesClearErrors) {
 #else
 CP_KERNEL_TESTS_NEED_CUDA(Lesson17Kernels)
 #endif
+
+// ── The torch side: a version by number, and every ring on it ────────────────────────────────
+
+CP_TEST(Lesson17, TorchSideRefusesWhatItCannotRun) {
+  const torch::Tensor q = torch::zeros({1, 1, 4, 64}, torch::kHalf);
+  testing::expect_errors({
+      {"version 0", [&] { attention_forward_fast(0, q, q, q); }, "version: expected 1"},
+      {"use_fast_forward(6)", [&] { use_fast_forward(kFastForwardVersions + 1); }, "version: expected 1"},
+      {"CPU tensors", [&] { attention_forward_fast(4, q, q, q); }, "the matrix units are a GPU's"},
+      {"float32", [&] { attention_forward_fast(4, q.to(torch::kFloat), q, q); }, "float16 or bfloat16"},
+  });
+}
+
+/// use_fast_forward(version) for the scope; lesson 03's kernel again after it, even on a failure.
+struct FastForwardInScope {
+  explicit FastForwardInScope(int version) { use_fast_forward(version); }
+  ~FastForwardInScope() { use_fast_forward(0); }
+  FastForwardInScope(const FastForwardInScope&) = delete;
+  FastForwardInScope& operator=(const FastForwardInScope&) = delete;
+};
+
+CP_TEST(Lesson17Cuda, EveryVersionOnCudaTensorsAndTheRingOnTheChosenOne) {
+  CP_REQUIRE_GPU();
+  const std::vector<std::string> dims = {"b", "h", "s", "d"};
+  const testing::KernelCase c{1, 4, 2, 192, 192, 64};
+  const testing::KernelInputs in = testing::random_kernel_inputs(c, torch::kBFloat16, 171);
+  const torch::Tensor q = in.q.cuda(), k = in.k.cuda(), v = in.v.cuda();
+  const double scale = 1.0 / std::sqrt(64.0);
+  const auto [out, lse] = testing::oracle_attention(in.q.to(torch::kDouble), in.k.to(torch::kDouble),
+                                                    in.v.to(torch::kDouble), true, torch::arange(c.seq_q),
+                                                    torch::arange(c.seq_k), scale);
+  for (int version = 1; version <= kFastForwardVersions; ++version) {
+    const AttnResult got = attention_forward_fast(version, q, k, v, causal_mask(true));
+    CP_EXPECT_CLOSE(got.out.cpu(), out, "out, " + name(version), dims, matrix_unit_tolerance(in.v));
+    CP_EXPECT_CLOSE(got.lse.cpu(), lse, "lse, " + name(version), {"b", "h", "s"});
+  }
+  const FastForwardInScope on(kFastForwardVersions);
+  // The kernels are deterministic: the same bits say which one ran.
+  const AttnResult selected = attention_block_forward(q, k, v, causal_mask(true));
+  const AttnResult direct = attention_forward_fast(kFastForwardVersions, q, k, v, causal_mask(true));
+  EXPECT_TRUE(torch::equal(selected.out, direct.out) && torch::equal(selected.lse, direct.lse))
+      << "attention_block_forward after use_fast_forward(" << kFastForwardVersions << ") is not that version";
+  // Lesson 04's ring on 3 ranks sharing the GPU, each block on the chosen version.
+  run_local_world(3, [&](Comm& comm) {
+    auto mine = [&](const torch::Tensor& t) { return t.narrow(2, comm.rank() * 64, 64); };
+    const RingResult r = ring_attention_forward(comm, mine(q), mine(k), mine(v), ring_options(true));
+    const std::string what = "ring on " + name(kFastForwardVersions) + ", rank " + std::to_string(comm.rank());
+    CP_EXPECT_CLOSE(r.out.cpu(), mine(out), "out, " + what, dims, merged_tolerance(in.v, matrix_unit_tolerance(in.v)));
+    CP_EXPECT_CLOSE(r.lse.cpu(), mine(lse), "lse, " + what, {"b", "h", "s"});
+  });
+}
 
 }  // namespace
 }  // namespace cp

@@ -7,6 +7,13 @@
 
 #include "block_attention.h"
 
+#if CP_WITH_CUDA
+#include <cuda_runtime_api.h>
+
+#include "block_attention.cuh"
+#include "common/dtype.h"
+#endif
+
 namespace cp {
 
 /// attention_block_forward (lesson 03) on the matrix units: the same contract (out in q's
@@ -15,6 +22,20 @@ namespace cp {
 /// anything else (a CPU tensor, float32, another head dim).
 AttnResult attention_forward_tensor_cores(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                           const AttentionMask& mask = {}, std::optional<double> scale = std::nullopt);
+
+#if CP_WITH_CUDA
+/// A matrix-unit forward on device pointers: lesson 03's launch with a variant number first (lesson
+/// 17's version; lesson 16's kernel ignores it).
+using MatrixUnitLaunch = void (*)(int variant, const void* q, const void* k, const void* v, void* out, float* lse,
+                                  const int64_t* q_first, const int64_t* q_last, const int64_t* k_pos,
+                                  const BlockAttentionParams& params, DType dtype, cudaStream_t stream);
+
+/// attention_forward_tensor_cores's checks and tensors around another kernel of the same contract
+/// (`launch`, `variant`): lesson 17 runs its versions through it.
+AttnResult attention_forward_matrix_units(MatrixUnitLaunch launch, int variant, const torch::Tensor& q,
+                                          const torch::Tensor& k, const torch::Tensor& v, const AttentionMask& mask,
+                                          std::optional<double> scale);
+#endif
 
 /// Whether use_tensor_cores sends a CUDA forward of these inputs to the matrix units: float16 or
 /// bfloat16, D = 64 or 128, on a GPU of compute capability 8.0 or newer (mma.m16n8k16 needs

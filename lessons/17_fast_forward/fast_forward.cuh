@@ -8,7 +8,7 @@
 
 #include "block_attention.cuh"
 #include "common/dtype.h"
-#include "fast_forward.h"
+#include "versions.h"
 
 namespace cp {
 

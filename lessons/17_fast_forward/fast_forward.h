@@ -1,23 +1,27 @@
 // Lesson 17 — the fast forward: lesson 16's kernel as a ladder of numbered versions, each one idea
-// more than the one before. The kernels are in fast_forward.cu (interface: fast_forward.cuh); the
-// steps you write are in fast_forward_steps.cuh (tasks 1, 3 and 4), fast_forward.cu (task 2) and
-// block_order.h (task 5).
+// more than the one before (versions.h lists them). This header is the torch side; the kernels
+// are in fast_forward.cu (interface: fast_forward.cuh). The steps you write are in
+// fast_forward_steps.cuh (tasks 1, 3 and 4), fast_forward.cu (task 2) and block_order.h (task 5).
 #pragma once
+
+#include <torch/types.h>
+
+#include <optional>
+
+#include "block_attention.h"
+#include "versions.h"
 
 namespace cp {
 
-/// The versions of the ladder, 1 … kFastForwardVersions (the README has a chapter for each):
-///   1  lesson 16's kernel, unchanged: the baseline;
-///   2  K and V tiles by cp.async with compile-time strides, in FlashAttention-2's order: V_j's copy
-///      in flight during S_j = Q·K_jᵀ, K_{j+1}'s during the softmax and P·V_j;
-///   3  the mask only where a tile is cut (a tile every row of the block sees whole runs without a
-///      test per score) and the softmax in base 2 with the scale folded into one multiply;
-///   4  128 query rows a block, 32 a warp: every ldmatrix an .x4, every K and V fragment it loads
-///      multiplied with two groups of 16 rows; Q stays in shared memory;
-///   5  the blocks that see the most keys (under a causal mask) started first.
-constexpr int kFastForwardVersions = 5;
+/// Lesson 16's attention_forward_tensor_cores (the same contract: CUDA tensors of float16 or
+/// bfloat16, D = 64 or 128, lesson 03's masks, GQA) by version `version` of the ladder.
+AttnResult attention_forward_fast(int version, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                  const AttentionMask& mask = {}, std::optional<double> scale = std::nullopt);
 
-/// What version `version` adds, in a few words (for tables). A cp::Error outside 1 … kFastForwardVersions.
-const char* fast_forward_version_name(int version);
+/// Lesson 16's use_tensor_cores(true) with version `version` of the ladder: from now on
+/// attention_block_forward (lesson 03), and every ring, layer and strategy built on it, runs the
+/// CUDA inputs takes_tensor_cores accepts on attention_forward_fast(version, …); 0 turns it off
+/// (lesson 03's kernels for all). Call it before the ranks start.
+void use_fast_forward(int version = kFastestMeasuredVersion);
 
 }  // namespace cp

@@ -13,18 +13,26 @@
 
 namespace cp {
 
-AttnResult attention_forward_tensor_cores(const torch::Tensor& q_in, const torch::Tensor& k_in,
-                                          const torch::Tensor& v_in, const AttentionMask& mask,
-                                          std::optional<double> scale) {
-  // The matrix units' own demands first: the shared checks would refuse float16 on the CPU with the
-  // CPU path's advice, which is not this kernel's reason.
-  if (q_in.defined()) {
-    CP_CHECK(q_in.scalar_type() == torch::kHalf || q_in.scalar_type() == torch::kBFloat16,
-             "q: the matrix units take float16 or bfloat16, got ", q_in.dtype());
-    CP_CHECK(q_in.is_cuda(), "q: the matrix units are a GPU's; q is on ", q_in.device());
+namespace {
+
+/// The matrix units' own demands first: the shared checks would refuse float16 on the CPU with the
+/// CPU path's advice, which is not this kernel's reason.
+AttentionShapes check_matrix_unit_inputs(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+  if (q.defined()) {
+    CP_CHECK(q.scalar_type() == torch::kHalf || q.scalar_type() == torch::kBFloat16,
+             "q: the matrix units take float16 or bfloat16, got ", q.dtype());
+    CP_CHECK(q.is_cuda(), "q: the matrix units are a GPU's; q is on ", q.device());
   }
-  const AttentionShapes s = check_attention_inputs(q_in, k_in, v_in);
+  return check_attention_inputs(q, k, v);
+}
+
+}  // namespace
+
 #if CP_WITH_CUDA
+AttnResult attention_forward_matrix_units(MatrixUnitLaunch launch, int variant, const torch::Tensor& q_in,
+                                          const torch::Tensor& k_in, const torch::Tensor& v_in,
+                                          const AttentionMask& mask, std::optional<double> scale) {
+  const AttentionShapes s = check_matrix_unit_inputs(q_in, k_in, v_in);
   CP_CHECK(tensor_core_attention_supports_head_dim(s.head_dim), "q: head dim ", s.head_dim,
            " is not supported by the tensor-core kernel (64 or 128)");
   const torch::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
@@ -36,15 +44,30 @@ AttnResult attention_forward_tensor_cores(const torch::Tensor& q_in, const torch
   const BlockAttentionParams params{s.batch, s.heads_q, s.heads_kv, s.seq_q, s.seq_k, s.head_dim, softmax_scale,
                                     keys.masked};
   const CudaDeviceScope cuda(q.device());
-  launch_tensor_core_attention_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), result.out.data_ptr(),
-                                       result.lse.data_ptr<float>(),
-                                       keys.masked ? keys.first.data_ptr<int64_t>() : nullptr,
-                                       keys.masked ? keys.last.data_ptr<int64_t>() : nullptr,
-                                       k_pos.data_ptr<int64_t>(), params, kernel_dtype(q, "q"), cuda.stream());
+  launch(variant, q.data_ptr(), k.data_ptr(), v.data_ptr(), result.out.data_ptr(), result.lse.data_ptr<float>(),
+         keys.masked ? keys.first.data_ptr<int64_t>() : nullptr, keys.masked ? keys.last.data_ptr<int64_t>() : nullptr,
+         k_pos.data_ptr<int64_t>(), params, kernel_dtype(q, "q"), cuda.stream());
   return result;
+}
+
+namespace {
+/// Lesson 16's kernel as a MatrixUnitLaunch (it has one variant).
+void launch_lesson16(int /*variant*/, const void* q, const void* k, const void* v, void* out, float* lse,
+                     const int64_t* q_first, const int64_t* q_last, const int64_t* k_pos,
+                     const BlockAttentionParams& params, DType dtype, cudaStream_t stream) {
+  launch_tensor_core_attention_forward(q, k, v, out, lse, q_first, q_last, k_pos, params, dtype, stream);
+}
+}  // namespace
+#endif
+
+AttnResult attention_forward_tensor_cores(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                          const AttentionMask& mask, std::optional<double> scale) {
+#if CP_WITH_CUDA
+  return attention_forward_matrix_units(&launch_lesson16, 0, q, k, v, mask, scale);
 #else
   (void)mask, (void)scale;
-  CP_FAIL("q is a CUDA tensor (", q_in.device(), ") but this build has no CUDA (nvcc was not found)");
+  check_matrix_unit_inputs(q, k, v);
+  CP_FAIL("q is a CUDA tensor (", q.device(), ") but this build has no CUDA (nvcc was not found)");
 #endif
 }
 
