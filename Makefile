@@ -1,5 +1,6 @@
 # Context Parallelism from Scratch — the commands of the course (a thin front of CMake).
-#   make test            set up, build, run every solution test, check skeletons, build docs
+#   make test            set up, build, run every solution test, check skeletons, check the figures
+#                        the READMEs quote from docs/ tables (tools/check-quotes), build docs
 #                        (the skeleton check ignores your code between the YOUR CODE markers)
 #   make setup-cuda-cpu  build CUDA on the CPU (chipStar + PoCL) from source: kernels run without a GPU
 #   make demo            the course demo (solutions)
@@ -70,6 +71,7 @@ test: setup build
 	cd $(BUILD) && ctest -L solution --output-on-failure -j $(JOBS)
 	tools/kernel-report
 	tools/skeleton --check --lenient
+	tools/check-quotes
 	cmake --build $(BUILD) --target docs
 
 demo: setup $(BUILD)/build.ninja
@@ -150,6 +152,7 @@ compare: need-N $(BUILD)/build.ninja
 	@tools/compare $(NN)
 
 docs: $(BUILD)/build.ninja
+	tools/check-quotes
 	cmake --build $(BUILD) --target docs
 	@echo "open $(BUILD)/docs/html/index.html"
 

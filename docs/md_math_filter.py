@@ -30,6 +30,11 @@ on the site:
 * bold (``**...**``) may start or end with code or math: this filter writes every bold span as
   ``<b>..</b>``, which Doxygen renders in every position (its own Markdown does not open or close
   ``**`` next to a backtick or a formula).
+* a link to a section of another page, ``[table](../../docs/performance.md#perf-amd-debian12)``,
+  names the section by an ``<a id="perf-amd-debian12"></a>`` on that page. Doxygen leaves such a
+  link as it is (a dead link on the site), so the filter writes it ``[table](#perf-amd-debian12)``:
+  Doxygen's anchors are global, it finds the page itself, and fails the build on an anchor that
+  no page has.
 
 docs/Doxyfile.in runs this script on every *.md file (FILTER_PATTERNS). It writes the file to
 stdout with the same number of lines, ``$..$`` turned into ``\f$..\f$``, ``$$``/```math blocks
@@ -48,6 +53,8 @@ SHELLISH = re.compile(r'^([({]?[A-Z][A-Z0-9]+_[A-Z0-9_]+|[({][A-Z][A-Z0-9_]{2,}[
                       r'(?=[\s/.,:;)}]|$)')
 ESCAPED_PUNCT = re.compile(r'\\[!-/:-@\[-`{-~]')
 HEADING = re.compile(r'^ {0,3}#{1,6}(\s|$)')
+# ](../../docs/performance.md#perf-amd-debian12): a section of another page
+PAGE_ANCHOR = re.compile(r'\]\((?![a-z]+://)[^)\s#]*\.md#([A-Za-z][\w-]*)\)')
 
 
 class Block:
@@ -82,6 +89,10 @@ class Block:
                 i = end
             elif c == '$':
                 i = self.math(i)
+            elif s.startswith('](', i) and PAGE_ANCHOR.match(s, i):
+                m = PAGE_ANCHOR.match(s, i)
+                self.out.append('](#' + m.group(1) + ')')
+                i = m.end()
             elif s.startswith('**', i) and not s.startswith('***', i):
                 bold.append(len(self.out))
                 self.out.append('**')
