@@ -87,15 +87,32 @@ constexpr int kRowsOf = 16 * kWarps * kGroupsOf<V>;
 template <int D, int V>
 constexpr int kTileBytes = ((V >= 4 ? kWideRows : 0) + 2 * kBc) * kLd<D> * 2;
 
-/// What a warp keeps from tile to tile: its lanes' rows of each group, their running softmax (m
-/// in base 2 from version 3 on; l this lane's part of a row's sum), O unnormalised in float32,
-/// and for versions 2 and 3 Q's fragments.
+/// Where a lane's rows are: lesson 16's lane_rows of group `group` (the rows, and the keys each
+/// sees), computed from the block's first row and the rows' ranges in global memory.
+struct RowsOfLane {
+  int64_t row0;
+  int warp, lane;
+  const int64_t* q_first;
+  const int64_t* q_last;
+};
+
+/// What a warp keeps from tile to tile: its lanes' running softmax (m in base 2 from version 3 on;
+/// l this lane's part of a row's sum), O unnormalised in float32, and up to version 3 Q's
+/// fragments and its lanes' rows. From version 4 the rows are read again where they are needed,
+/// on cut tiles and at the end: at D = 128 O and S alone take 192 of a thread's 255 registers, and
+/// 24 more for the rows' 64-bit positions made ptxas spill.
 template <int D, int V>
 struct WarpState {
-  LaneRows rows[kGroupsOf<V>];
   float m[kGroupsOf<V>][2], l[kGroupsOf<V>][2];
   FragC o[kGroupsOf<V>][D / 8];
-  FragA q_frag[V >= 4 ? 1 : D / 16];  // not used from version 4 on
+  FragA q_frag[V >= 4 ? 1 : D / 16];      // not used from version 4 on
+  LaneRows kept_rows[V >= 4 ? 1 : kGroupsOf<V>];  // not used from version 4 on
+
+  __device__ __forceinline__ LaneRows rows(int group, const RowsOfLane& where, const BlockAttentionParams& p) const {
+    if constexpr (V >= 4)
+      return lane_rows(where.row0, kGroupsOf<V> * where.warp + group, where.lane, p, where.q_first, where.q_last);
+    else return kept_rows[group];
+  }
 };
 
 /// The version's steps on a tile, given: the scores S = Q·Kᵀ, the softmax that turns them into P
@@ -109,9 +126,12 @@ __device__ __forceinline__ void tile_scores(FragC (&s)[kGroupsOf<V>][kBc / 8], c
 
 template <int D, int V>
 __device__ __forceinline__ void tile_softmax(FragC (&s)[kGroupsOf<V>][kBc / 8], WarpState<D, V>& w,
-                                             const Visit& tile, const int64_t* kpos, float scale, int lane) {
+                                             const Visit& tile, const int64_t* kpos, float scale,
+                                             const RowsOfLane& where, const BlockAttentionParams& p) {
+  const int lane = where.lane;
+CP_FRAGMENT_LOOP
   for (int i = 0; i < kGroupsOf<V>; ++i) {
-    const LaneRows& r = w.rows[i];
+    const LaneRows r = w.rows(i, where, p);  // (used only where the tile is cut)
     if constexpr (V == 2) softmax_tile<D>(s[i], w.o[i], w.m[i], w.l[i], kpos, tile.n, r.first, r.last, scale, lane);
     else if (tile.cut)
       softmax_tile_exp2<D, true>(s[i], w.o[i], w.m[i], w.l[i], kpos, tile.n, r.first, r.last, scale, lane);
@@ -155,9 +175,11 @@ __global__ void __launch_bounds__(kThreads)
   const T* v_head = v + bh_kv * p.seq_k * D;
 
   // This lane's rows and the keys each sees (rows past Sq see nothing, and stay).
+  const RowsOfLane where{row0, warp, lane, q_first, q_last};
   WarpState<D, V> w;
+CP_FRAGMENT_LOOP
   for (int i = 0; i < kGroupsOf<V>; ++i) {
-    w.rows[i] = lane_rows(row0, kGroupsOf<V> * warp + i, lane, p, q_first, q_last);
+    if constexpr (V < 4) w.kept_rows[i] = lane_rows(row0, warp, lane, p, q_first, q_last);
     w.m[i][0] = w.m[i][1] = -INFINITY;
     w.l[i][0] = w.l[i][1] = 0.0f;
   }
@@ -182,7 +204,7 @@ __global__ void __launch_bounds__(kThreads)
   copies.wait_all();
   __syncthreads();  // the Q tile and the ranges
   if constexpr (V < 4) load_q_fragments<T, D>(w.q_frag, q_tile, warp, lane);
-  const BlockRange range = block_range;
+  const BlockRange& range = block_range;  // read where used: 8 registers fewer across the loop
   __syncthreads();  // every warp has its Q before K's first tile overwrites it (versions 2 and 3)
 
   const float scale = V >= 3 ? p.scale * 1.4426950408889634f : p.scale;  // version 3: scale and log2(e) at once
@@ -197,10 +219,11 @@ __global__ void __launch_bounds__(kThreads)
   (void)tile, (void)w, (void)scale, (void)in_hand, (void)v_head, (void)k_head, (void)copies, (void)v_tile;
   // END YOUR CODE
 
+CP_FRAGMENT_LOOP
   for (int i = 0; i < kGroupsOf<V>; ++i) {
     if constexpr (V >= 3)
       for (int r = 0; r < 2; ++r) w.m[i][r] *= 0.6931471805599453f;  // back to natural units for lse
-    finish_head_rows<T, D>(out, lse, bh, w.rows[i], p, w.o[i], w.m[i], w.l[i], lane);
+    finish_head_rows<T, D>(out, lse, bh, w.rows(i, where, p), p, w.o[i], w.m[i], w.l[i], lane);
   }
 }
 
