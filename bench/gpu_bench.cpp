@@ -35,6 +35,7 @@
 #include "common/cli.h"
 #include "common/error.h"
 #include "common/world.h"
+#include "fast_backward.h"
 #include "fast_forward.h"
 #include "ring_attention.h"
 #include "ring_attention_backward.h"
@@ -174,6 +175,28 @@ void attention_table(const torch::Device& device, const std::vector<std::string>
           row("backward", 2.5 * fwd_flop, bwd_ms,
               std::max({relative_error(grads.dq, qg.grad()), relative_error(grads.dk, kg.grad()),
                         relative_error(grads.dv, vg.grad())}));
+          if (device.is_cuda() && dtype != torch::kFloat && (d == 64 || d == 128)) {  // lesson 18's matrix units
+            cp::AttnGrads fast;
+            const std::vector<double> fast_ms = cp::bench::median_ms(
+                repeats, true,
+                {[&] {
+                   fast = cp::attention_backward_fast(dout, q, k, v, fwd.out, fwd.lse, mask);
+                   sync(device);
+                 },
+                 [&] {
+                   sdpa_out.backward(dout);
+                   sync(device);
+                 }},
+                {{},
+                 [&] {  // untimed: sdpa's forward, for the backward to start from
+                   qg = q.detach().requires_grad_(), kg = k.detach().requires_grad_(), vg = v.detach().requires_grad_();
+                   sdpa_out = at::scaled_dot_product_attention(qg, kg, vg, {}, 0.0, causal);
+                   sync(device);
+                 }});
+            row("bwd-mma", 2.5 * fwd_flop, fast_ms,
+                std::max({relative_error(fast.dq, qg.grad()), relative_error(fast.dk, kg.grad()),
+                          relative_error(fast.dv, vg.grad())}));
+          }
         }
 }
 

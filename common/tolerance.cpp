@@ -46,6 +46,12 @@ Tolerance matrix_unit_tolerance(const torch::Tensor& v) {
   return {base.abs + 2 * unit_roundoff(v.scalar_type()) * largest_magnitude(v), base.rel};
 }
 
+Tolerance matrix_unit_gradient_tolerance(torch::ScalarType dtype, const torch::Tensor& expected, double weight_sum,
+                                         double other_max) {
+  const Tolerance base = gradient_tolerance(dtype, expected);
+  return {base.abs + 2 * unit_roundoff(dtype) * weight_sum * other_max, base.rel};
+}
+
 Tolerance merged_tolerance(const torch::Tensor& v, Tolerance base) {
   return {base.abs + unit_roundoff(v.scalar_type()) * largest_magnitude(v), base.rel};
 }

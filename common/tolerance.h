@@ -28,6 +28,16 @@ Tolerance gradient_tolerance(torch::ScalarType dtype, const torch::Tensor& expec
 /// on top of the dtype's tolerance: twice that is added to its absolute part.
 Tolerance matrix_unit_tolerance(const torch::Tensor& v);
 
+/// The tolerance of a gradient of attention on the matrix units (lesson 18), whose products take
+/// 16-bit operands: P is rounded to the inputs' dtype before dV = Pᵀ·dO, and dS before
+/// dK = scale·dSᵀ·Q and dQ = scale·dS·K, as FlashAttention-2 does. Each rounding moves its
+/// factor by at most u·|factor| (u: 2⁻¹¹ float16, 2⁻⁸ bfloat16), so the gradient moves by at most
+/// u · weight_sum · other_max, where weight_sum is the largest sum of |P| or |dS| along the summed
+/// index (query rows for dV and dK, keys for dQ) and other_max the largest |dO|, or scale · |Q|
+/// or scale · |K|. Twice that is added to gradient_tolerance's absolute part.
+Tolerance matrix_unit_gradient_tolerance(torch::ScalarType dtype, const torch::Tensor& expected, double weight_sum,
+                                         double other_max);
+
 /// The tolerance for out of a ring (lessons 04-16): out merged from blocks whose outs were each
 /// rounded to v's dtype before the merge, since the block kernel writes the input's dtype (as
 /// FlashAttention's does; ring-flash-attention and TransformerEngine merge such outs the same

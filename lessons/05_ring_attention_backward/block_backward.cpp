@@ -3,6 +3,8 @@
 // Lesson 05, task 1 — the backward of one attention block on the CPU, and the dispatch to the
 // CUDA kernels of task 2 (block_backward.cu).
 #include <algorithm>
+#include <atomic>
+#include <cstddef>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -190,11 +192,30 @@ void backward_group(const T* q, const T* k, const T* v, const T* dout, const flo
     }
 }
 
+#if CP_WITH_CUDA
+std::atomic<CudaBackwardOverride> cuda_backward_override{nullptr};
+#endif
+
 }  // namespace
 
-AttnGrads attention_block_backward(const torch::Tensor& dout_in, const torch::Tensor& q_in, const torch::Tensor& k_in,
-                                   const torch::Tensor& v_in, const torch::Tensor& out_in, const torch::Tensor& lse_in,
-                                   const AttentionMask& mask, std::optional<double> scale) {
+#if CP_WITH_CUDA
+void set_cuda_backward_override(CudaBackwardOverride backward) { cuda_backward_override.store(backward); }
+#endif
+
+namespace {
+
+#if CP_WITH_CUDA
+using BackwardKernel = CudaBackwardOverride;
+#else
+using BackwardKernel = std::nullptr_t;  // no CUDA: nothing to take over
+#endif
+
+/// attention_block_backward, whose CUDA inputs go first to `cuda_backward` (null: lesson 05's
+/// kernels).
+AttnGrads block_backward(const torch::Tensor& dout_in, const torch::Tensor& q_in, const torch::Tensor& k_in,
+                         const torch::Tensor& v_in, const torch::Tensor& out_in, const torch::Tensor& lse_in,
+                         const AttentionMask& mask, std::optional<double> scale,
+                         [[maybe_unused]] BackwardKernel cuda_backward) {
   const AttentionShapes s = check_attention_inputs(q_in, k_in, v_in);
   for (auto [t, name] : {std::pair{&dout_in, "dout"}, {&out_in, "out"}}) {
     check_defined(*t, name);
@@ -225,6 +246,12 @@ AttnGrads attention_block_backward(const torch::Tensor& dout_in, const torch::Te
              " is not supported by the CUDA kernels (32, 64 or 128)");
     const BlockAttentionParams params{s.batch, s.heads_q, s.heads_kv, s.seq_q, s.seq_k, s.head_dim, softmax_scale, keys.masked};
     const CudaDeviceScope cuda(q.device());  // q's GPU and its current stream
+    if (cuda_backward &&
+        cuda_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), lse.data_ptr<float>(),
+                             delta.data_ptr<float>(), first, last, k_pos.data_ptr<int64_t>(), grads.dq.data_ptr<float>(),
+                             grads.dk.data_ptr<float>(), grads.dv.data_ptr<float>(), params, kernel_dtype(q, "q"),
+                             cuda.stream(), compute_capability_major(q.device())))
+      return grads;
     launch_block_attention_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), lse.data_ptr<float>(),
                                     delta.data_ptr<float>(), first, last, k_pos.data_ptr<int64_t>(),
                                     grads.dq.data_ptr<float>(), grads.dk.data_ptr<float>(), grads.dv.data_ptr<float>(),
@@ -250,5 +277,26 @@ AttnGrads attention_block_backward(const torch::Tensor& dout_in, const torch::Te
   });
   return grads;
 }
+
+}  // namespace
+
+AttnGrads attention_block_backward(const torch::Tensor& dout, const torch::Tensor& q, const torch::Tensor& k,
+                                   const torch::Tensor& v, const torch::Tensor& out, const torch::Tensor& lse,
+                                   const AttentionMask& mask, std::optional<double> scale) {
+#if CP_WITH_CUDA
+  return block_backward(dout, q, k, v, out, lse, mask, scale, cuda_backward_override.load());
+#else
+  return block_backward(dout, q, k, v, out, lse, mask, scale, nullptr);
+#endif
+}
+
+#if CP_WITH_CUDA
+AttnGrads attention_block_backward_on(CudaBackwardOverride backward, const torch::Tensor& dout, const torch::Tensor& q,
+                                      const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& out,
+                                      const torch::Tensor& lse, const AttentionMask& mask,
+                                      std::optional<double> scale) {
+  return block_backward(dout, q, k, v, out, lse, mask, scale, backward);
+}
+#endif
 
 }  // namespace cp

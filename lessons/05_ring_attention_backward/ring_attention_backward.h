@@ -14,6 +14,10 @@
 #include "common/comm.h"
 #include "ring_attention.h"
 
+#if CP_WITH_CUDA
+#include "block_backward.cuh"  // CudaBackwardOverride
+#endif
+
 namespace cp {
 
 /// Gradients of one block, float32 whatever the input dtype (they are accumulators).
@@ -32,6 +36,15 @@ struct AttnGrads {
 AttnGrads attention_block_backward(const torch::Tensor& dout, const torch::Tensor& q, const torch::Tensor& k,
                                    const torch::Tensor& v, const torch::Tensor& out, const torch::Tensor& lse,
                                    const AttentionMask& mask = {}, std::optional<double> scale = std::nullopt);
+
+#if CP_WITH_CUDA
+/// attention_block_backward with `backward` (lesson 18's kernels) in place of whatever
+/// set_cuda_backward_override holds: the same checks and tensors around another kernel.
+AttnGrads attention_block_backward_on(CudaBackwardOverride backward, const torch::Tensor& dout, const torch::Tensor& q,
+                                      const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& out,
+                                      const torch::Tensor& lse, const AttentionMask& mask = {},
+                                      std::optional<double> scale = std::nullopt);
+#endif
 
 /// This rank's gradients of full attention over the whole (contiguously sharded) sequence.
 struct RingGrads {
