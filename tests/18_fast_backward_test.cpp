@@ -167,12 +167,13 @@ void expect_half_matches_oracle(Half half, const BackwardCase& b, const OracleMa
   }
 }
 
-/// Lesson 16's suite, for one half: shapes, dtypes and head dims; the rings' layouts; windows and
-/// documents; rows far from 0 with a scale of the caller's.
+/// Lesson 16's suite, for one half: shapes, dtypes and head dims (GQA 2 and 4, MQA); the rings'
+/// layouts; windows and documents; rows far from 0 with a scale of the caller's.
 void expect_half_passes_the_suite(Half half) {
   const std::string who = half == Half::kKeys ? "key kernel" : "query kernel";
   const std::vector<KernelCase> cases = {
-      {1, 1, 1, 1, 1, 64}, {2, 4, 2, 70, 130, 64}, {1, 8, 1, 64, 64, 128}, {1, 4, 4, 17, 200, 128}};
+      {1, 1, 1, 1, 1, 64}, {2, 4, 2, 70, 130, 64}, {1, 8, 1, 64, 64, 128}, {1, 4, 4, 17, 200, 128},
+      {1, 8, 2, 100, 90, 128}};  // the last: GQA 4:1, each K/V head's gradients summed over 4 query heads
   uint64_t seed = 180;
   for (auto dtype : {torch::kHalf, torch::kBFloat16})
     for (const KernelCase& c : cases)
@@ -260,12 +261,13 @@ CP_TEST(Lesson18, TorchSideRefusesWhatItCannotRun) {
   });
 }
 
-/// use_fast_backward(true) for the scope; lesson 05's kernels again after it, even on a failure.
-struct FastBackwardInScope {
-  FastBackwardInScope() { use_fast_backward(true); }
-  ~FastBackwardInScope() { use_fast_backward(false); }
-  FastBackwardInScope(const FastBackwardInScope&) = delete;
-  FastBackwardInScope& operator=(const FastBackwardInScope&) = delete;
+/// use_matrix_units(true) for the scope; lessons 03 and 05's kernels again after it, even on a
+/// failure.
+struct MatrixUnitsInScope {
+  MatrixUnitsInScope() { use_matrix_units(true); }
+  ~MatrixUnitsInScope() { use_matrix_units(false); }
+  MatrixUnitsInScope(const MatrixUnitsInScope&) = delete;
+  MatrixUnitsInScope& operator=(const MatrixUnitsInScope&) = delete;
 };
 
 CP_TEST(Lesson18Cuda, BackwardOnCudaTensorsAndUnderTheRing) {
@@ -287,15 +289,15 @@ CP_TEST(Lesson18Cuda, BackwardOnCudaTensorsAndUnderTheRing) {
   };
   const AttnGrads direct = attention_backward_fast(dout, q, k, v, out, lse, causal_mask(true));
   expect_grads(direct, "attention_backward_fast");
-  const FastBackwardInScope on;
+  const MatrixUnitsInScope on;
   // The kernels are deterministic: the same bits say which one ran.
   const AttnGrads selected = attention_block_backward(dout, q, k, v, out, lse, causal_mask(true));
   EXPECT_TRUE(torch::equal(selected.dq, direct.dq) && torch::equal(selected.dk, direct.dk) &&
               torch::equal(selected.dv, direct.dv))
-      << "attention_block_backward after use_fast_backward(true) is not this lesson's kernels";
+      << "attention_block_backward after use_matrix_units(true) is not this lesson's kernels";
 
   // Lesson 05's ring backward on 3 ranks sharing the GPU, each block's backward on this lesson's
-  // kernels; the gradients come back in bfloat16 (the inputs' dtype): the base tolerance's
+  // kernels (and the forward's lse and out given, not recomputed); the gradients come back in bfloat16 (the inputs' dtype): the base tolerance's
   // relative part covers that rounding.
   run_local_world(3, [&](Comm& comm) {
     auto mine = [&](const torch::Tensor& t) { return t.narrow(2, comm.rank() * 64, 64); };

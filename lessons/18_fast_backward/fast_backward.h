@@ -25,4 +25,8 @@ AttnGrads attention_backward_fast(const torch::Tensor& dout, const torch::Tensor
 /// 05's kernels for all. Call it before the ranks start.
 void use_fast_backward(bool on);
 
+/// Both halves of attention on the matrix units at once, for training on a GPU: on is lesson 17's
+/// use_fast_forward(kFastestMeasuredVersion) and use_fast_backward(true); off turns both off.
+void use_matrix_units(bool on);
+
 }  // namespace cp

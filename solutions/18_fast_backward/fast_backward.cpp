@@ -3,6 +3,7 @@
 #include "fast_backward.h"
 
 #include "common/error.h"
+#include "fast_forward.h"
 #include "tensor_cores.h"
 
 #if CP_WITH_CUDA
@@ -64,6 +65,11 @@ void use_fast_backward(bool on) {
 #else
   (void)on;  // no CUDA tensor exists without CUDA
 #endif
+}
+
+void use_matrix_units(bool on) {
+  use_fast_forward(on ? kFastestMeasuredVersion : 0);
+  use_fast_backward(on);
 }
 
 }  // namespace cp
