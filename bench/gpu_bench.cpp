@@ -154,33 +154,14 @@ void attention_table(const torch::Device& device, const std::vector<std::string>
             }
           }
 
-          cp::AttnGrads grads;
+          // A backward beside sdpa's (whose untimed forward precedes each of its runs): one row.
           torch::Tensor qg, kg, vg;
-          const std::vector<double> bwd_ms = cp::bench::median_ms(
-              repeats, true,
-              {[&] {
-                 grads = cp::attention_block_backward(dout, q, k, v, fwd.out, fwd.lse, mask);
-                 sync(device);
-               },
-               [&] {
-                 sdpa_out.backward(dout);
-                 sync(device);
-               }},
-              {{},
-               [&] {  // untimed: sdpa's forward, for the backward to start from
-                 qg = q.detach().requires_grad_(), kg = k.detach().requires_grad_(), vg = v.detach().requires_grad_();
-                 sdpa_out = at::scaled_dot_product_attention(qg, kg, vg, {}, 0.0, causal);
-                 sync(device);
-               }});
-          row("backward", 2.5 * fwd_flop, bwd_ms,
-              std::max({relative_error(grads.dq, qg.grad()), relative_error(grads.dk, kg.grad()),
-                        relative_error(grads.dv, vg.grad())}));
-          if (device.is_cuda() && dtype != torch::kFloat && (d == 64 || d == 128)) {  // lesson 18's matrix units
-            cp::AttnGrads fast;
-            const std::vector<double> fast_ms = cp::bench::median_ms(
+          const auto backward_row = [&](const char* name, const std::function<cp::AttnGrads()>& backward) {
+            cp::AttnGrads grads;
+            const std::vector<double> ms = cp::bench::median_ms(
                 repeats, true,
                 {[&] {
-                   fast = cp::attention_backward_fast(dout, q, k, v, fwd.out, fwd.lse, mask);
+                   grads = backward();
                    sync(device);
                  },
                  [&] {
@@ -188,15 +169,19 @@ void attention_table(const torch::Device& device, const std::vector<std::string>
                    sync(device);
                  }},
                 {{},
-                 [&] {  // untimed: sdpa's forward, for the backward to start from
+                 [&] {
                    qg = q.detach().requires_grad_(), kg = k.detach().requires_grad_(), vg = v.detach().requires_grad_();
                    sdpa_out = at::scaled_dot_product_attention(qg, kg, vg, {}, 0.0, causal);
                    sync(device);
                  }});
-            row("bwd-mma", 2.5 * fwd_flop, fast_ms,
-                std::max({relative_error(fast.dq, qg.grad()), relative_error(fast.dk, kg.grad()),
-                          relative_error(fast.dv, vg.grad())}));
-          }
+            row(name, 2.5 * fwd_flop, ms,
+                std::max({relative_error(grads.dq, qg.grad()), relative_error(grads.dk, kg.grad()),
+                          relative_error(grads.dv, vg.grad())}));
+          };
+          backward_row("backward", [&] { return cp::attention_block_backward(dout, q, k, v, fwd.out, fwd.lse, mask); });
+          if (device.is_cuda() && dtype != torch::kFloat && (d == 64 || d == 128))  // lesson 18's matrix units
+            backward_row("bwd-mma", [&] { return cp::attention_backward_fast(dout, q, k, v, fwd.out, fwd.lse, mask); });
+        }
         }
 }
 

@@ -108,6 +108,18 @@ __device__ __forceinline__ void expect_conflict_free(const void* row, int matric
 }
 /// Two consecutive 16-bit elements at p (p[0] in the low half).
 __device__ __forceinline__ uint32_t load_pair(const uint16_t* p) { return p[0] | (static_cast<uint32_t>(p[1]) << 16); }
+/// The registers of ldmatrix .trans with kMatrices matrices: register m of lane (g, t) gets rows
+/// 2t and 2t+1, column g of matrix m, whose rows lanes 8m … 8m+7 name.
+template <int kMatrices>
+__device__ __forceinline__ void load_transposed(uint32_t (&r)[kMatrices], const void* row) {
+  const int lane = static_cast<int>(threadIdx.x % kWarpSize), g = lane / 4, t = lane % 4;
+  CP_FRAGMENT_LOOP
+  for (int m = 0; m < kMatrices; ++m) {
+    const uint16_t* even = pull_address(row, 8 * m + 2 * t);
+    const uint16_t* odd = pull_address(row, 8 * m + 2 * t + 1);
+    r[m] = even[g] | (static_cast<uint32_t>(odd[g]) << 16);
+  }
+}
 #endif
 
 /// ldmatrix .x4: four 8×8 matrices of 16-bit elements from shared memory. Lane i passes the
@@ -156,15 +168,9 @@ __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&r)[2], const void* 
                : "=r"(r[0]), "=r"(r[1])
                : "r"(addr));
 #else
-  const int lane = static_cast<int>(threadIdx.x % kWarpSize), g = lane / 4, t = lane % 4;
-  if (lane < 16) expect_shared_16(row, kLdmatrixNotShared, kLdmatrixMisaligned);
+  if (threadIdx.x % kWarpSize < 16) expect_shared_16(row, kLdmatrixNotShared, kLdmatrixMisaligned);
   expect_conflict_free(row, 2);
-  CP_FRAGMENT_LOOP
-  for (int m = 0; m < 2; ++m) {
-    const uint16_t* even = pull_address(row, 8 * m + 2 * t);
-    const uint16_t* odd = pull_address(row, 8 * m + 2 * t + 1);
-    r[m] = even[g] | (static_cast<uint32_t>(odd[g]) << 16);
-  }
+  load_transposed(r, row);
 #endif
 }
 
@@ -177,15 +183,9 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
 #else
-  const int lane = static_cast<int>(threadIdx.x % kWarpSize), g = lane / 4, t = lane % 4;
   expect_shared_16(row, kLdmatrixNotShared, kLdmatrixMisaligned);
   expect_conflict_free(row, 4);
-  CP_FRAGMENT_LOOP
-  for (int m = 0; m < 4; ++m) {
-    const uint16_t* even = pull_address(row, 8 * m + 2 * t);
-    const uint16_t* odd = pull_address(row, 8 * m + 2 * t + 1);
-    r[m] = even[g] | (static_cast<uint32_t>(odd[g]) << 16);
-  }
+  load_transposed(r, row);
 #endif
 }
 

@@ -128,25 +128,36 @@ inline void expect_kernel_windows_and_documents(const AttentionLaunch& launch, c
       expect_kernel_matches_oracle(launch, {1, 4, 2, s, s, 64}, mask, dtype, 162, who + ", " + name);
 }
 
-/// Keys share a large first dim, and a query's first dim sets its row's level: rows whose scores
-/// all lie near −112 (a maximum started at 0 underflows every p), near +112 (exp without the
-/// maximum overflows), and, through a second dim that grows with the key, rows whose maximum
-/// rises from tile to tile. With a scale of the caller's, not 1/√D.
+/// The shape of inputs_far_from_zero: 80 rows (five groups of 16) against 200 keys.
+constexpr KernelCase kFarFromZeroCase{1, 2, 1, 80, 200, 64};
+
+/// Random inputs of kFarFromZeroCase whose keys share a large first dim and whose queries' first
+/// dim sets each row's level: with a scale of 0.2, rows 0-15 score about −112 (a maximum started
+/// at 0 underflows every p), rows 16-31 about +112 (exp without the maximum overflows), and rows
+/// 32-47, through a second dim that grows with the key, have maxima that rise from tile to tile.
+inline KernelInputs inputs_far_from_zero(torch::ScalarType dtype, uint64_t seed) {
+  const KernelCase c = kFarFromZeroCase;
+  KernelInputs in = random_kernel_inputs(c, dtype, seed);
+  torch::Tensor q = in.q.to(torch::kFloat), k = in.k.to(torch::kFloat);
+  k.select(3, 0).fill_(8.0);
+  k.select(3, 1).copy_(torch::linspace(-8, 8, c.seq_k).view({1, 1, c.seq_k}));
+  q.select(3, 0).zero_();
+  q.select(3, 1).zero_();
+  q.narrow(2, 0, 16).select(3, 0).fill_(-70.0);  // rows 0-15: scores about −112
+  q.narrow(2, 16, 16).select(3, 0).fill_(70.0);  // rows 16-31: about +112
+  q.narrow(2, 32, 16).select(3, 1).fill_(6.0);   // rows 32-47: rising by 4.8 a tile
+  in.q = q.to(dtype);
+  in.k = k.to(dtype);
+  return in;
+}
+
+/// inputs_far_from_zero's rows near −112 and +112 and with rising maxima, causal or not, with a
+/// scale of the caller's (0.2), not 1/√D.
 inline void expect_kernel_rows_far_from_zero(const AttentionLaunch& launch, const std::string& who) {
-  const KernelCase c{1, 2, 1, 80, 200, 64};
+  const KernelCase c = kFarFromZeroCase;
   const double scale = 0.2;
   for (auto dtype : {torch::kHalf, torch::kBFloat16}) {
-    KernelInputs in = random_kernel_inputs(c, dtype, 166);
-    torch::Tensor q = in.q.to(torch::kFloat), k = in.k.to(torch::kFloat);
-    k.select(3, 0).fill_(8.0);
-    k.select(3, 1).copy_(torch::linspace(-8, 8, c.seq_k).view({1, 1, c.seq_k}));
-    q.select(3, 0).zero_();
-    q.select(3, 1).zero_();
-    q.narrow(2, 0, 16).select(3, 0).fill_(-70.0);  // rows 0-15: scores about −112
-    q.narrow(2, 16, 16).select(3, 0).fill_(70.0);  // rows 16-31: about +112
-    q.narrow(2, 32, 16).select(3, 1).fill_(6.0);   // rows 32-47: rising by 4.8 a tile
-    in.q = q.to(dtype);
-    in.k = k.to(dtype);
+    const KernelInputs in = inputs_far_from_zero(dtype, 166);
     for (bool causal : {false, true})
       expect_kernel_matches_oracle(launch, c, in, {causal, {}, {}}, scale,
                                    who + (causal ? ", causal" : ", full") +
