@@ -182,7 +182,6 @@ void attention_table(const torch::Device& device, const std::vector<std::string>
           if (device.is_cuda() && dtype != torch::kFloat && (d == 64 || d == 128))  // lesson 18's matrix units
             backward_row("bwd-mma", [&] { return cp::attention_backward_fast(dout, q, k, v, fwd.out, fwd.lse, mask); });
         }
-        }
 }
 
 /// A RingExchange that moves nothing: the ring's compute alone (its results are wrong, and unused).
