@@ -129,11 +129,14 @@ __device__ __forceinline__ void tile_softmax(FragC (&s)[kGroupsOf<V>][kBc / 8], 
   const int lane = where.lane;
 CP_FRAGMENT_LOOP
   for (int i = 0; i < kGroupsOf<V>; ++i) {
-    const LaneRows r = w.rows(i, where, p);  // (used only where the tile is cut)
-    if constexpr (V == 2) softmax_tile<D>(s[i], w.o[i], w.m[i], w.l[i], kpos, tile.n, r.first, r.last, scale, lane);
-    else if (tile.cut)
-      softmax_tile_exp2<D, true>(s[i], w.o[i], w.m[i], w.l[i], kpos, tile.n, r.first, r.last, scale, lane);
-    else softmax_tile_exp2<D, false>(s[i], w.o[i], w.m[i], w.l[i], kpos, tile.n, r.first, r.last, scale, lane);
+    if (V == 2 || tile.cut) {  // the rows' ranges are read (from version 4: loaded) only here
+      const LaneRows r = w.rows(i, where, p);
+      if constexpr (V == 2) softmax_tile<D>(s[i], w.o[i], w.m[i], w.l[i], kpos, tile.n, r.first, r.last, scale, lane);
+      else softmax_tile_exp2<D, true>(s[i], w.o[i], w.m[i], w.l[i], kpos, tile.n, r.first, r.last, scale, lane);
+    } else {
+      const int64_t unused[2] = {0, 0};  // an uncut tile tests no key
+      softmax_tile_exp2<D, false>(s[i], w.o[i], w.m[i], w.l[i], kpos, tile.n, unused, unused, scale, lane);
+    }
   }
 }
 
