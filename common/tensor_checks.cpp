@@ -65,4 +65,30 @@ void check_same_on_every_rank(Comm& comm, const torch::Tensor& t, const std::str
   }
 }
 
+std::vector<std::vector<int64_t>> agree_on_every_rank(Comm& comm, torch::Device device, const std::string& error,
+                                                      std::vector<int64_t> fields) {
+  constexpr int64_t kFields = 16, kMessage = 240;  // a message longer than kMessage is cut
+  CP_CHECK(static_cast<int64_t>(fields.size()) <= kFields, "agree_on_every_rank: at most ", kFields, " fields, got ",
+           fields.size());
+  fields.resize(kFields, 0);
+  std::vector<int64_t> row = fields;
+  row.push_back(error.empty() ? 0 : 1);
+  for (int64_t i = 0; i < kMessage; ++i)
+    row.push_back(i < static_cast<int64_t>(error.size()) ? static_cast<unsigned char>(error[i]) : 0);
+  const int64_t width = static_cast<int64_t>(row.size());
+  const torch::Tensor all = comm.all_gather(torch::tensor(row, torch::kLong).to(device)).cpu().view({comm.size(), width});
+  const int64_t* a = all.data_ptr<int64_t>();
+  std::vector<std::vector<int64_t>> every(comm.size());
+  for (int r = 0; r < comm.size(); ++r) {
+    const int64_t* f = a + r * width;
+    if (f[kFields] != 0) {
+      std::string message;
+      for (int64_t i = 0; i < kMessage && f[kFields + 1 + i]; ++i) message += static_cast<char>(f[kFields + 1 + i]);
+      throw ErrorOnEveryRank(r == comm.rank() ? message : detail::concat("rank ", r, ": ", message), __FILE__, __LINE__);
+    }
+    every[r].assign(f, f + kFields);
+  }
+  return every;
+}
+
 }  // namespace cp

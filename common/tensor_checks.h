@@ -29,4 +29,12 @@ void check_float_dtype(const torch::Tensor& t, const char* arg);
 void check_same_on_every_rank(Comm& comm, const torch::Tensor& t, const std::string& arg,
                               const std::string& hint = {});
 
+/// Every rank's `fields` (at most 16 numbers, padded with 0) and its `error` ("" when its inputs
+/// are good), in one all-gather of a fixed-size row on `device` (the nccl backend moves GPU
+/// tensors only). If any rank has an error, every rank throws a cp::ErrorOnEveryRank with the first
+/// one (prefixed "rank r: " on the other ranks), so that nobody goes on to wait for a message;
+/// otherwise returns the fields of every rank, in rank order. A collective call.
+std::vector<std::vector<int64_t>> agree_on_every_rank(Comm& comm, torch::Device device, const std::string& error,
+                                                      std::vector<int64_t> fields);
+
 }  // namespace cp

@@ -284,8 +284,9 @@ CP_TEST(KernelsCpuDecode, NanScoreAmongMinusInfScoresWinsTheBlockAtEverySimdLeve
   }
   testing::for_each_simd_level([&](const std::string& at) {
     std::vector<float> out(d, 0.0f), lse(1, 0.0f);
-    kernels::simd_call<kernels::DecodeAttend>(q.data(), int64_t{1}, k.data(), v.data(), k_pos.data(), n,
-                                              int64_t{n}, d, 1.0f, out.data(), lse.data(), work.data());
+    const kernels::ContiguousKeys keys{k.data(), v.data(), k_pos.data(), int64_t{n}, d};
+    kernels::simd_call<kernels::DecodeAttend>(q.data(), int64_t{1}, keys, n, d, d, 1.0f, out.data(), lse.data(),
+                                              work.data());
     EXPECT_TRUE(std::isnan(lse[0])) << "lse = " << lse[0] << at << ", expected NaN";
     for (int64_t i = 0; i < d; ++i) ASSERT_TRUE(std::isnan(out[i])) << "out[" << i << "] = " << out[i] << at;
   });

@@ -162,29 +162,14 @@ std::string missing_tokens(const std::string& arg, int64_t held, int64_t length)
                         "over a world of another size?)");
 }
 
-/// Every rank's fields and error message together (one all-gather of a fixed-size row), so that
-/// a bad input anywhere is a cp::ErrorOnEveryRank everywhere and nobody waits for a send.
+/// Every rank's fields and error message together (common/tensor_checks.h), so that a bad input
+/// anywhere is a cp::ErrorOnEveryRank everywhere and nobody waits for a send.
 Agreed agree(Comm& comm, torch::Device device, const std::string& error, std::vector<int64_t> fields) {
-  constexpr int64_t kFields = 8, kMessage = 240;
-  fields.resize(kFields, 0);
-  std::vector<int64_t> row = fields;
-  row.push_back(error.empty() ? 0 : 1);
-  for (int64_t i = 0; i < kMessage; ++i)
-    row.push_back(i < static_cast<int64_t>(error.size()) ? static_cast<unsigned char>(error[i]) : 0);
-  const int64_t width = static_cast<int64_t>(row.size());
-  const torch::Tensor all = comm.all_gather(torch::tensor(row, torch::kLong).to(device)).cpu().view({comm.size(), width});
-  const int64_t* a = all.data_ptr<int64_t>();
-  for (int r = 0; r < comm.size(); ++r) {
-    const int64_t* f = a + r * width;
-    if (f[kFields] == 0) continue;
-    std::string message;
-    for (int64_t i = 0; i < kMessage && f[kFields + 1 + i]; ++i) message += static_cast<char>(f[kFields + 1 + i]);
-    throw ErrorOnEveryRank(r == comm.rank() ? message : detail::concat("rank ", r, ": ", message), __FILE__, __LINE__);
-  }
+  const std::vector<std::vector<int64_t>> every = agree_on_every_rank(comm, device, error, std::move(fields));
   Agreed agreed;
   int64_t last_cached = -1, first_new = std::numeric_limits<int64_t>::max();
   for (int r = 0; r < comm.size(); ++r) {
-    const int64_t* f = a + r * width;
+    const int64_t* f = every[r].data();
     agreed.cached.push_back(f[0]);
     agreed.fresh.push_back(f[1]);
     const std::vector<int64_t> shape(f + 2, f + 6);
@@ -239,10 +224,12 @@ AttnResult attend_one_row_cpu(const torch::Tensor& q, const torch::Tensor& k, co
   for (int64_t b = 0; b < batch; ++b)
     for (int64_t h = 0; h < heads_kv; ++h) {
       const int64_t row = b * heads_q + h * group;  // the group's first query head
-      kernels::simd_call<kernels::DecodeAttend>(
-          qf.data_ptr<float>() + row * d, group, kf.data_ptr<float>() + b * kf.stride(0) + h * kf.stride(1),
-          vf.data_ptr<float>() + b * vf.stride(0) + h * vf.stride(1), kp.data_ptr<int64_t>(), n, q_pos, d,
-          softmax_scale, out.data_ptr<float>() + row * d, lse.data_ptr<float>() + row, work.data());
+      const kernels::ContiguousKeys keys{kf.data_ptr<float>() + b * kf.stride(0) + h * kf.stride(1),
+                                         vf.data_ptr<float>() + b * vf.stride(0) + h * vf.stride(1),
+                                         kp.data_ptr<int64_t>(), q_pos, d};
+      kernels::simd_call<kernels::DecodeAttend>(qf.data_ptr<float>() + row * d, group, keys, n, d, d, softmax_scale,
+                                                out.data_ptr<float>() + row * d, lse.data_ptr<float>() + row,
+                                                work.data());
     }
   return {out.to(q.scalar_type()), lse};
 }

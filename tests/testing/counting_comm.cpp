@@ -42,6 +42,12 @@ torch::Tensor CountingComm::all_gather(const torch::Tensor& tensor) {
   return inner_.all_gather(tensor);
 }
 
+torch::Tensor CountingComm::all_to_all(const torch::Tensor& tensor) {
+  // Every part but this rank's own goes out.
+  if (tensor.is_floating_point() && tensor.dim() > 0) bytes_sent_ += bytes_of(tensor) / size() * (size() - 1);
+  return inner_.all_to_all(tensor);
+}
+
 void CountingComm::broadcast(torch::Tensor& tensor, int root) {
   if (tensor.is_floating_point() && rank() == root) bytes_sent_ += (size() - 1) * bytes_of(tensor);
   inner_.broadcast(tensor, root);

@@ -12,8 +12,9 @@ namespace cp::testing {
 
 /// Bytes counted: every point-to-point send (its tensor's bytes); the floating-point payload of
 /// the collectives as the course's formulas count it (all_gather: the tensor to each of the
-/// N − 1 others; broadcast: the root's tensor to each of the N − 1 others). Integer collectives
-/// are not counted: they are the given checks' agreement on shapes and counts, not data.
+/// N − 1 others; broadcast: the root's tensor to each of the N − 1 others; all_to_all: every part
+/// of the tensor but the rank's own). Integer collectives are not counted: they are the given
+/// checks' agreement on shapes and counts, not data.
 class CountingComm : public Comm {
  public:
   /// `trace` (may be null): where the spans of start()…wait() go, under this rank.
@@ -31,7 +32,7 @@ class CountingComm : public Comm {
   torch::Tensor reduce_scatter(const torch::Tensor& tensor) override { return inner_.reduce_scatter(tensor); }
   void all_reduce(torch::Tensor& tensor, ReduceOp op) override { inner_.all_reduce(tensor, op); }
   void barrier() override { inner_.barrier(); }
-  torch::Tensor all_to_all(const torch::Tensor& tensor) override { return inner_.all_to_all(tensor); }
+  torch::Tensor all_to_all(const torch::Tensor& tensor) override;
   std::shared_ptr<Comm> split(int color, int key) override { return inner_.split(color, key); }
 
  private:
