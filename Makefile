@@ -8,6 +8,8 @@
 #   make precision       lesson 13: the bfloat16 ring's error against float64 as the ring grows (solution)
 #   make plan            lesson 14: cp_plan, every strategy and mesh predicted for a model on a cluster (solution)
 #   make serve           lesson 15: the two prefills at several hit rates, the choice, decode steps (solution)
+#   make paged-serving   lesson 19: cache per GPU under TP and DCP, a DCP step's bytes and check, paged decode
+#                        beside memcpy (solution; its chart in build/lesson19/)
 #   make lesson N=01     build and run the learner tests of one lesson (then under mpirun, once they pass)
 #   make status          per-lesson table of the learner's progress
 #   make compare N=01    learner vs solution: results, errors, timings, diff of filled regions
@@ -45,7 +47,7 @@ LESSONS = $$(ls lessons | tr '\n' ' ')
 CMAKE_FLAGS ?=
 CMAKE_ARGS = -G Ninja -DCP_CUDA_ARCHS="$(CP_CUDA_ARCHS)" $(if $(CMAKE_PREFIX_PATH),-DCMAKE_PREFIX_PATH="$(CMAKE_PREFIX_PATH)") $(CMAKE_FLAGS)
 
-.PHONY: setup setup-cuda-cpu configure build test demo train precision plan serve lesson status compare docs bench mutants skeletons check-skeletons gpu-check gpu-carry kernel-stats sanitize test-debian13 test-pip-torch clean need-N
+.PHONY: setup setup-cuda-cpu configure build test demo train precision plan serve paged-serving lesson status compare docs bench mutants skeletons check-skeletons gpu-check gpu-carry kernel-stats sanitize test-debian13 test-pip-torch clean need-N
 
 setup:
 	@tools/setup
@@ -99,6 +101,10 @@ plan: setup $(BUILD)/build.ninja
 serve: setup $(BUILD)/build.ninja
 	cmake --build $(BUILD) -j $(JOBS) --target lesson15_demo_solution
 	$(BUILD)/bin/lesson15_demo_solution $(ARGS)
+
+paged-serving: setup $(BUILD)/build.ninja
+	cmake --build $(BUILD) -j $(JOBS) --target lesson19_demo_solution
+	$(BUILD)/bin/lesson19_demo_solution --out $(BUILD)/lesson19 $(ARGS)
 
 need-N:
 	@[ -n "$(NN)" ] && ls -d lessons/$(NN)_* >/dev/null 2>&1 || { \

@@ -133,6 +133,7 @@ void write_line_chart(const std::string& path, const std::string& title, const s
     CP_CHECK(s.values.size() == xs.size(), "write_line_chart: series '", s.name, "' has ", s.values.size(),
              " values for ", xs.size(), " x values");
     for (double v : s.values) {
+      if (std::isnan(v)) continue;  // no point there
       CP_CHECK(y_scale == AxisScale::Linear || v > 0, "write_line_chart: series '", s.name, "' has the value ", v,
                " on a log axis");
       y_lo = std::min(y_lo, v);
@@ -193,11 +194,13 @@ void write_line_chart(const std::string& path, const std::string& title, const s
     // Every other line dashed: lines that coincide (the point of some charts) stay visible.
     out << "<polyline fill=\"none\" stroke=\"" << colour << "\" stroke-width=\"2\""
         << (s % 2 ? " stroke-dasharray=\"7 4\"" : "") << " points=\"";
-    for (size_t i = 0; i < xs.size(); ++i) out << px(xs[i]) << "," << py(series[s].values[i]) << " ";
+    for (size_t i = 0; i < xs.size(); ++i)
+      if (!std::isnan(series[s].values[i])) out << px(xs[i]) << "," << py(series[s].values[i]) << " ";
     out << "\"/>\n";
     if (xs.size() <= 40)
       for (size_t i = 0; i < xs.size(); ++i)
-        out << "<circle cx=\"" << px(xs[i]) << "\" cy=\"" << py(series[s].values[i]) << "\" r=\"3\" fill=\"" << colour
+        if (!std::isnan(series[s].values[i]))
+          out << "<circle cx=\"" << px(xs[i]) << "\" cy=\"" << py(series[s].values[i]) << "\" r=\"3\" fill=\"" << colour
             << "\"><title>" << series[s].name << ": " << series[s].values[i] << "</title></circle>\n";
     const int lx = left + static_cast<int>(s % 2) * (plot_width / 2), ly = base + 52 + static_cast<int>(s / 2) * 20;
     out << "<rect x=\"" << lx << "\" y=\"" << ly << "\" width=\"12\" height=\"12\" fill=\"" << colour

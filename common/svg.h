@@ -31,7 +31,8 @@ enum class AxisScale { Linear, Log };
 
 /// Writes a line chart: one line with a dot per point for each series, over the x values `xs`
 /// (shared by every series), axes with labelled ticks (a log axis: ticks at powers of ten on y, at
-/// the x values themselves on x), and a legend. Values must be positive on a log axis. Throws
+/// the x values themselves on x), and a legend. A NaN value has no point (a series that stops
+/// early: its line joins the points it has). Values must be positive on a log axis. Throws
 /// cp::Error if the file cannot be written or a series has the wrong number of values.
 void write_line_chart(const std::string& path, const std::string& title, const std::vector<double>& xs,
                       const std::vector<LineSeries>& series, const std::string& x_label, const std::string& y_label,

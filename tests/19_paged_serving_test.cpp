@@ -62,7 +62,7 @@ double default_scale(int64_t key_dim) { return 1.0 / std::sqrt(static_cast<doubl
 /// contract's rule (slot i % page_size of page table[i / page_size]).
 torch::Tensor pool_row(const PagedKvCache& cache, const torch::Tensor& pool, int64_t id, int64_t i) {
   const std::vector<int64_t>& table = cache.block_table(id);
-  return pool[table.at(i / cache.page_size())][i % cache.page_size()];
+  return pool[table.at(i / cache.page_size())].select(1, i % cache.page_size());
 }
 
 /// Every invariant of a pool: each page in at most one table, never a free page in a table, a
@@ -318,8 +318,8 @@ CP_TEST(Lesson19, Task2_ReadsThePoolInPlace) {
     if (c.cache.page_is_free(page)) c.cache.key_pages()[page].fill_(NAN), c.cache.value_pages()[page].fill_(NAN);
   for (size_t i = 0; i < requests.size(); ++i) {
     const int64_t last = c.cache.block_table(c.ids[i]).back(), used = requests[i].length % 16;
-    c.cache.key_pages()[last].narrow(0, used, 16 - used).fill_(NAN);
-    c.cache.value_pages()[last].narrow(0, used, 16 - used).fill_(NAN);
+    c.cache.key_pages()[last].narrow(1, used, 16 - used).fill_(NAN);
+    c.cache.value_pages()[last].narrow(1, used, 16 - used).fill_(NAN);
   }
   const torch::Tensor q = batch_queries(c, requests).to(torch::kFloat);
   const PagedBatch batch = make_batch(c.cache, c.ids, {1, 1});
@@ -437,12 +437,18 @@ CP_TEST(Lesson19, Task3_BadInputGivesClearErrors) {
 // ── Task 4: the DCP decode step ─────────────────────────────────────────────────────────────
 
 /// This rank's shard of sequences striped by the stripes' definition (not by dcp_owner: a test
-/// of task 4 must not lean on task 3's answer), each sequence's first lengths[s] tokens.
+/// of task 4 must not lean on task 3's answer), each sequence's first lengths[s] tokens; `full`:
+/// a pool of exactly the pages they fill, otherwise one with room to spare.
 PagedKvCache striped_shard(const Comm& comm, const std::vector<Sequence>& seqs, const std::vector<int64_t>& lengths,
-                           int64_t interleave, int64_t page_size, bool latent, int64_t value_dim) {
+                           int64_t interleave, int64_t page_size, bool latent, int64_t value_dim, bool full = false) {
   const int64_t heads_kv = seqs[0].k.size(1), key_dim = seqs[0].k.size(2);
-  int64_t pages = 4;
-  for (const Sequence& s : seqs) pages += s.k.size(0) / page_size + 2;
+  int64_t pages = full ? 0 : 4;
+  for (size_t s = 0; s < seqs.size(); ++s) {
+    const std::vector<int> owners = reference_owners(lengths[s], comm.size(), interleave);
+    const int64_t held = std::count(owners.begin(), owners.end(), comm.rank());
+    pages += full ? (held + page_size - 1) / page_size : seqs[s].k.size(0) / page_size + 2;
+  }
+  pages = std::max<int64_t>(pages, 1);
   PagedKvCache cache = latent ? PagedKvCache::latent(pages, page_size, value_dim, key_dim - value_dim, kF32)
                               : PagedKvCache(pages, page_size, heads_kv, key_dim, value_dim, kF32);
   for (size_t s = 0; s < seqs.size(); ++s) {
@@ -620,6 +626,11 @@ CP_TEST(Lesson19, Task4_BadInputIsAnErrorOnEveryRank) {
          [&] { dcp_decode_step(comm, in.q, in.k, in.v, broken, {0, 1, 2, 3}, kLengths, 1, DcpExchange::AllToAll); },
          "its share of 17 tokens striped over"},
     };
+    // Pools of exactly the pages their tokens fill (pages of 1): no room for a new token.
+    PagedKvCache full = striped_shard(comm, seqs, kLengths, 1, 1, false, 16, true);
+    table.push_back({"a shard whose pool is full",
+                     [&] { dcp_decode_step(comm, in.q, in.k, in.v, full, {0, 1, 2, 3}, kLengths, 1, DcpExchange::AllToAll); },
+                     "more page(s) for the step's new tokens"});
     if (comm.size() > 1) {
       // Only the last rank is wrong; every rank must say so, and none may wait for it.
       table.push_back({"other lengths on the last rank",
@@ -708,9 +719,7 @@ CP_TEST(Lesson19, Task5_BadInputGivesClearErrors) {
 
 // ── Task 6: the cache a model needs ─────────────────────────────────────────────────────────
 
-/// The test's own count: a token's whole cache (every layer, every kv head, keys and values),
-/// the share of it one GPU holds under TP (a kv head per GPU at most 1/Hkv of it; 1/tp while
-/// there are enough heads), divided again by DCP.
+/// The test's own count, from a token's whole cache (every layer, kv head, key and value).
 double reference_bytes(const ModelShape& m, int tp, int dcp) {
   const double whole = static_cast<double>(m.layers * m.heads_kv * (m.key_dim + m.value_dim) * m.element_size);
   return whole / std::min<int64_t>(tp, m.heads_kv) / dcp;

@@ -47,14 +47,14 @@ class PagedKvCache {
                              const torch::TensorOptions& options);
 
   int64_t pages() const { return key_pages_.size(0); }
-  int64_t page_size() const { return key_pages_.size(1); }
-  int64_t heads_kv() const { return key_pages_.size(2); }
+  int64_t page_size() const { return key_pages_.size(2); }
+  int64_t heads_kv() const { return key_pages_.size(1); }
   int64_t key_dim() const { return key_pages_.size(3); }
   int64_t value_dim() const { return value_dim_; }
   bool is_latent() const { return !value_pages_.defined(); }
-  /// [pages, page_size, Hkv, key_dim]
+  /// [pages, Hkv, page_size, key_dim]: a head's page is page_size rows in a row, read front to back
   const torch::Tensor& key_pages() const { return key_pages_; }
-  /// [pages, page_size, Hkv, value_dim]; undefined for a latent cache
+  /// [pages, Hkv, page_size, value_dim]; undefined for a latent cache
   const torch::Tensor& value_pages() const { return value_pages_; }
 
   /// Starts an empty sequence (no page yet). A cp::Error if `id` is in use.
@@ -137,8 +137,8 @@ PagedResult paged_attention(const torch::Tensor& q, const PagedKvCache& cache, c
 int dcp_owner(int64_t position, int world, int64_t interleave);
 
 /// Task 3. How many of the positions 0 .. length − 1 rank `rank` holds: the size of its shard of
-/// a sequence of `length` tokens, and the number of its keys a token at position length − 1
-/// sees. A cp::Error for a negative length, world < 1, interleave < 1 or a rank outside the world.
+/// a sequence of `length` tokens. A cp::Error for a negative length, world < 1, interleave < 1 or
+/// a rank outside the world.
 int64_t dcp_local_length(int64_t length, int rank, int world, int64_t interleave);
 
 // ── Task 4: the DCP decode step ─────────────────────────────────────────────────────────────
@@ -171,8 +171,9 @@ struct DcpResult {
 ///                 same on every rank
 /// The token at position p sees every token at or before p. Bytes: dcp_bytes. CPU float32/
 /// float64. A cp::Error on every rank, before anything is sent, when the ranks disagree (shapes,
-/// dtype, ids, lengths, interleave), Hq is not divisible by Hkv, or a shard does not hold its
-/// share of a sequence (dcp_local_length of its length).
+/// dtype, ids, lengths, interleave), Hq is not divisible by Hkv, a shard does not hold its share
+/// of a sequence (dcp_local_length of its length), or a shard's pool has no room for the new
+/// tokens it keeps.
 DcpResult dcp_decode_step(Comm& comm, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                           PagedKvCache& cache, const std::vector<int64_t>& ids, const std::vector<int64_t>& lengths,
                           int64_t interleave, DcpExchange exchange, std::optional<double> scale = std::nullopt);

@@ -19,7 +19,7 @@ namespace cp {
 
 namespace {
 
-/// A pool of pages [pages, page_size, heads, dim], zeroed: a slot no token has written is read by nobody.
+/// A pool of pages [pages, heads, page_size, dim], zeroed: a slot no token has written is read by nobody.
 torch::Tensor make_pool(int64_t pages, int64_t page_size, int64_t heads, int64_t dim, const char* dim_name,
                         const torch::TensorOptions& options) {
   for (const auto& [value, name] : {std::pair{pages, "pages"}, {page_size, "page_size"}, {heads, "heads_kv"}, {dim, dim_name}})
@@ -32,7 +32,7 @@ torch::Tensor make_pool(int64_t pages, int64_t page_size, int64_t heads, int64_t
     CP_CHECK(options.device().is_cpu() && dtype == torch::kFloat,
              "PagedKvCache: options: a CPU pool is float32 (the CPU loop reads it where it lies), got ", options.dtype(),
              " on ", options.device());
-  return torch::zeros({pages, page_size, heads, dim}, options);
+  return torch::zeros({pages, heads, page_size, dim}, options);
 }
 
 }  // namespace
@@ -119,8 +119,8 @@ void PagedKvCache::append(int64_t id, const torch::Tensor& k, const torch::Tenso
   for (int64_t done = 0; done < t;) {  // one copy per page the tokens fall on
     const int64_t token = seq.length + done, page = seq.table[token / page_size()], slot = token % page_size();
     const int64_t count = std::min(t - done, page_size() - slot);
-    key_pages_[page].narrow(0, slot, count).copy_(k.narrow(0, done, count));
-    if (!is_latent()) value_pages_[page].narrow(0, slot, count).copy_(v.narrow(0, done, count));
+    key_pages_[page].narrow(1, slot, count).copy_(k.narrow(0, done, count).transpose(0, 1));
+    if (!is_latent()) value_pages_[page].narrow(1, slot, count).copy_(v.narrow(0, done, count).transpose(0, 1));
     done += count;
   }
   seq.length += t;
@@ -162,16 +162,15 @@ PagedBatch make_batch(const PagedKvCache& cache, const std::vector<int64_t>& ids
 namespace {
 
 /// Where key j of one sequence lies in the pool, and which rows see it: the `keys` of
-/// kernels/cpu_decode.h's loop. Rows are token-major: row r is token r / group, query head r % group
-/// of the kv head's group.
+/// kernels/cpu_decode.h's loop, for one kv head.
 struct PagedKeys {
   const float* keys;    // this kv head's key in slot 0 of page 0
   const float* values;  // this kv head's value in slot 0 of page 0 (a latent cache: its key row)
   const int64_t* table;  // the sequence's pages
   int64_t page_size;
-  int64_t key_slot, value_slot;  // floats from one slot to the next (every head of a token)
-  const int64_t* seen;           // [tokens]: how many of the sequence's first keys each token sees
-  int64_t group;                 // rows per token
+  int64_t key_page, value_page;  // floats from one page of the pool to the next
+  int64_t key_dim, value_dim;    // floats from one slot of a head's page to the next
+  const int64_t* row_seen;       // [rows]: how many of the sequence's first keys each row sees
 
   // BEGIN SOLUTION task 2: where key j lies
   // STUB: // TODO(lesson 19, task 2): key j of the sequence, found through its block table. README, "Task 2".
@@ -183,34 +182,42 @@ struct PagedKeys {
   // STUB:   (void)j;
   // STUB:   throw NotImplemented("lesson 19, task 2: PagedKeys::value");
   // STUB: }
-  int64_t slot(int64_t j) const { return table[j / page_size] * page_size + j % page_size; }
-  const float* key(int64_t j) const { return keys + slot(j) * key_slot; }
-  const float* value(int64_t j) const { return values + slot(j) * value_slot; }
+  const float* key(int64_t j) const { return keys + table[j / page_size] * key_page + j % page_size * key_dim; }
+  const float* value(int64_t j) const { return values + table[j / page_size] * value_page + j % page_size * value_dim; }
   // END SOLUTION
-  bool visible(int64_t j, int64_t row) const { return j < seen[row / group]; }
+  bool visible(int64_t j, int64_t row) const { return j < row_seen[row]; }
 };
 
 /// The rows of one sequence on the CPU: q [t, Hq, key_dim] float32, token i seeing the first seen[i]
-/// keys of the pages of `table`; writes out [t, Hq, value_dim] and lse [t, Hq] (float32,
-/// contiguous). Each kv head's query heads go through kernels/cpu_decode.h's loop together, which
-/// reads every key and value row once for all of them, in the pool.
+/// of the kv_len keys in the pages of `table`; writes out [t, Hq, value_dim] and lse [t, Hq]
+/// (float32, contiguous). Each kv head's query heads go through kernels/cpu_decode.h's loop
+/// together, which reads every key and value row once for all of them, in the pool.
 void attend_pages_cpu(const torch::Tensor& q, const PagedKvCache& cache, const std::vector<int64_t>& table,
-                      const std::vector<int64_t>& seen, float scale, torch::Tensor out, torch::Tensor lse) {
+                      int64_t kv_len, const std::vector<int64_t>& seen, float scale, torch::Tensor out,
+                      torch::Tensor lse) {
   const int64_t tokens = q.size(0);
   if (tokens == 0) return;
   const int64_t heads_kv = cache.heads_kv(), group = q.size(1) / heads_kv;
   const int64_t key_dim = cache.key_dim(), value_dim = cache.value_dim();
+  for (int64_t i = 0; i < tokens; ++i)  // a wrong count would read outside the sequence's pages
+    CP_CHECK(seen[i] >= 0 && seen[i] <= kv_len, "row ", i, " of a sequence of ", kv_len,
+             " keys in this cache would see ", seen[i], " of them: a count must lie in 0 .. ", kv_len);
   const int64_t n = *std::max_element(seen.begin(), seen.end());
+  // A head's page is page_size rows of its dim in a row ([pages, Hkv, page_size, dim]): the loop
+  // below, one kv head at a time, reads each page front to back.
   const float* key_pool = cache.key_pages().data_ptr<float>();
   const float* value_pool = cache.is_latent() ? key_pool : cache.value_pages().data_ptr<float>();
-  const int64_t key_slot = heads_kv * key_dim, value_slot = cache.is_latent() ? key_slot : heads_kv * value_dim;
+  const int64_t value_row = cache.is_latent() ? key_dim : value_dim;  // a latent value: the front of the key row
+  const int64_t key_page = heads_kv * cache.page_size() * key_dim, value_page = heads_kv * cache.page_size() * value_row;
+  std::vector<int64_t> row_seen(tokens * group);  // rows are token-major: row r is token r / group
+  for (int64_t r = 0; r < tokens * group; ++r) row_seen[r] = seen[r / group];
   std::vector<float> work(tokens * group * (value_dim + kernels::kDecodeBlock + 2));
   for (int64_t h = 0; h < heads_kv; ++h) {
     const torch::Tensor rows = q.narrow(1, h * group, group).contiguous();  // [t, group, key_dim]
     torch::Tensor rows_out = torch::empty({tokens, group, value_dim}, q.options());
     torch::Tensor rows_lse = torch::empty({tokens, group}, q.options());
-    const PagedKeys keys{key_pool + h * key_dim, value_pool + h * (cache.is_latent() ? key_dim : value_dim), table.data(),
-                         cache.page_size(), key_slot, value_slot, seen.data(), group};
+    const PagedKeys keys{key_pool + h * cache.page_size() * key_dim, value_pool + h * cache.page_size() * value_row,
+                         table.data(), cache.page_size(), key_page, value_page, key_dim, value_row, row_seen.data()};
     kernels::simd_call<kernels::DecodeAttend>(rows.data_ptr<float>(), tokens * group, keys, n, key_dim, value_dim,
                                               scale, rows_out.data_ptr<float>(), rows_lse.data_ptr<float>(),
                                               work.data());
@@ -286,7 +293,7 @@ PagedResult paged_attention_gathered(const torch::Tensor& q, const PagedKvCache&
     if (q_len == 0) continue;
     const torch::Tensor pages = torch::tensor(batch.block_tables[b], torch::kLong).to(q.device());
     auto gather = [&](const torch::Tensor& pool) {  // [1, Hkv, kv_len, D]
-      return pool.index_select(0, pages).reshape({-1, heads_kv, dim}).narrow(0, 0, kv_len).permute({1, 0, 2}).unsqueeze(0);
+      return pool.index_select(0, pages).transpose(0, 1).reshape({heads_kv, -1, dim}).narrow(1, 0, kv_len).unsqueeze(0);
     };
     const std::vector<int64_t> seen = keys_seen(q_len, kv_len);
     AttentionMask mask;
@@ -315,8 +322,9 @@ PagedResult paged_attention(const torch::Tensor& q, const PagedKvCache& cache, c
   torch::Tensor lse = torch::empty({q.size(0), q.size(1)}, f32);
   for (size_t b = 0; b < batch.kv_lens.size(); ++b) {
     const int64_t first = batch.cu_seqlens_q[b], q_len = batch.cu_seqlens_q[b + 1] - first;
-    attend_pages_cpu(qf.narrow(0, first, q_len), cache, batch.block_tables[b], keys_seen(q_len, batch.kv_lens[b]),
-                     static_cast<float>(softmax_scale), out.narrow(0, first, q_len), lse.narrow(0, first, q_len));
+    attend_pages_cpu(qf.narrow(0, first, q_len), cache, batch.block_tables[b], batch.kv_lens[b],
+                     keys_seen(q_len, batch.kv_lens[b]), static_cast<float>(softmax_scale), out.narrow(0, first, q_len),
+                     lse.narrow(0, first, q_len));
   }
   return {out.to(q.scalar_type()), lse};
 }
@@ -442,14 +450,21 @@ void check_dcp_inputs(Comm& comm, const torch::Tensor& q, const torch::Tensor& k
       throw ErrorOnEveryRank(detail::concat("ids, lengths: every rank decodes the same sequences at the same lengths; "
                                             "rank 0 has ", all[0], ", rank ", r, " has ", all[r]),
                              __FILE__, __LINE__);
-  // Each shard holds its share of each sequence (dcp_local_length: task 3).
+  // Each shard holds its share of each sequence (dcp_local_length: task 3), and has the pages for
+  // the new tokens it will keep: an append that failed on one rank would leave the others waiting.
   error = local_error([&] {
+    int64_t pages_needed = 0;
     for (size_t b = 0; b < ids.size(); ++b) {
       const int64_t share = dcp_local_length(lengths[b], comm.rank(), world, interleave);
       CP_CHECK(cache.length(ids[b]) == share, "cache: sequence ", ids[b], " has ", cache.length(ids[b]),
                " tokens in this rank's shard, its share of ", lengths[b], " tokens striped over ", world,
                " ranks by ", interleave, " is ", share);
+      const int64_t after = dcp_local_length(lengths[b] + q.size(1), comm.rank(), world, interleave);
+      pages_needed += (after + cache.page_size() - 1) / cache.page_size() -
+                      static_cast<int64_t>(cache.block_table(ids[b]).size());
     }
+    CP_CHECK(pages_needed <= cache.free_pages(), "cache: this rank's shard needs ", pages_needed,
+             " more page(s) for the step's new tokens, its pool has ", cache.free_pages(), " free");
   });
   agree_on_every_rank(comm, torch::kCPU, error, {});
 }
@@ -487,7 +502,8 @@ DcpResult dcp_decode_step(Comm& comm, const torch::Tensor& q, const torch::Tenso
     // STUB: throw NotImplemented("lesson 19, task 4: the keys each new token sees");
     for (int64_t i = 0; i < tokens; ++i) seen[i] = dcp_local_length(lengths[b] + i + 1, rank, world, interleave);
     // END SOLUTION
-    attend_pages_cpu(q_all[b], cache, cache.block_table(ids[b]), seen, softmax_scale, out_all[b], lse_all[b]);
+    attend_pages_cpu(q_all[b], cache, cache.block_table(ids[b]), cache.length(ids[b]), seen, softmax_scale, out_all[b],
+                     lse_all[b]);
   }
   // 4. Each rank's heads back to it, merged.
   // BEGIN SOLUTION task 4: the exchange
