@@ -4,8 +4,9 @@
 //   elements the map names, and mma must equal a float64 matrix product of the same 16-bit inputs;
 // - the vector exponential of kernels/cpu_simd.h, which lessons 01, 03, 05 and the decode kernel
 //   share, at every SIMD level this CPU has;
-// - the decode kernel of kernels/cpu_decode.h (lesson 15) where its block maximum decides alone:
-//   a NaN score among hidden ones.
+// - the decode kernel of kernels/cpu_decode.h (lessons 15 and 19) where its block maximum decides
+//   alone (a NaN score among hidden ones), and with rows of their own and unequal dims at every
+//   SIMD level.
 #include <torch/types.h>
 
 #include <cmath>
@@ -289,6 +290,51 @@ CP_TEST(KernelsCpuDecode, NanScoreAmongMinusInfScoresWinsTheBlockAtEverySimdLeve
                                               work.data());
     EXPECT_TRUE(std::isnan(lse[0])) << "lse = " << lse[0] << at << ", expected NaN";
     for (int64_t i = 0; i < d; ++i) ASSERT_TRUE(std::isnan(out[i])) << "out[" << i << "] = " << out[i] << at;
+  });
+}
+
+/// Keys with a visibility of their own per row (lesson 19's chunks and draft tokens), rows j of
+/// d_qk and d_v floats one after another, key j visible to row r if j < seen[r].
+struct RowLimitedKeys {
+  const float* k;
+  const float* v;
+  const int64_t* seen;
+  int64_t d_qk, d_v;
+  const float* key(int64_t j) const { return k + j * d_qk; }
+  const float* value(int64_t j) const { return v + j * d_v; }
+  bool visible(int64_t j, int64_t row) const { return j < seen[row]; }
+};
+
+CP_TEST(KernelsCpuDecode, RowsOfTheirOwnAndUnequalDimsAtEverySimdLevel) {
+  // Five rows seeing 0, 1, 31, 33 and 69 of 70 keys (a block boundary on each side of 32), scores
+  // of 19 floats and values of 11 (neither a multiple of any SIMD width). The last key and value
+  // are NaN, hidden from every row; value 32 is NaN, seen by the last two rows only: each row must
+  // equal float64 softmax over its own keys, NaN where it sees the NaN value and nowhere else.
+  constexpr int64_t n = 70, d_qk = 19, d_v = 11, rows = 5;
+  const std::vector<int64_t> seen = {0, 1, 31, 33, 69};
+  const torch::Tensor q = testing::random_with_outliers({rows, d_qk}, 191, 1.0, 0.0);
+  torch::Tensor k = testing::random_with_outliers({n, d_qk}, 192, 1.0, 0.0);
+  torch::Tensor v = testing::random_with_outliers({n, d_v}, 193, 1.0, 0.0);
+  k[n - 1].fill_(NAN);
+  v[n - 1].fill_(NAN);
+  v[32].fill_(NAN);
+  const double scale = 0.7;
+  const torch::Tensor scores = torch::matmul(q.to(torch::kDouble), k.to(torch::kDouble).t()) * scale;
+  const torch::Tensor hidden = torch::arange(n).unsqueeze(0) >= torch::tensor(seen).unsqueeze(1);
+  const torch::Tensor masked = scores.masked_fill(hidden, -INFINITY);
+  const torch::Tensor expected_lse = testing::oracle_logsumexp(masked);
+  const torch::Tensor p = testing::oracle_softmax(masked);
+  torch::Tensor expected_out = torch::zeros({rows, d_v}, torch::kDouble);
+  for (int64_t r = 0; r < rows; ++r)  // over the row's own keys only: 0 · NaN must not reach it
+    expected_out[r] = torch::matmul(p[r].narrow(0, 0, seen[r]), v.narrow(0, 0, seen[r]).to(torch::kDouble));
+  std::vector<float> work(rows * (d_v + kernels::kDecodeBlock + 2));
+  testing::for_each_simd_level([&](const std::string& at) {
+    torch::Tensor out = torch::zeros({rows, d_v}), lse = torch::zeros({rows});
+    const RowLimitedKeys keys{k.data_ptr<float>(), v.data_ptr<float>(), seen.data(), d_qk, d_v};
+    kernels::simd_call<kernels::DecodeAttend>(q.data_ptr<float>(), rows, keys, n, d_qk, d_v, static_cast<float>(scale),
+                                              out.data_ptr<float>(), lse.data_ptr<float>(), work.data());
+    CP_EXPECT_RESULT(testing::all_close_or_nan(out, expected_out, "out" + at, {"row", "d"}));
+    CP_EXPECT_CLOSE(lse, expected_lse, "lse" + at, {"row"});
   });
 }
 
