@@ -300,8 +300,10 @@ PagedResult paged_attention_gathered(const torch::Tensor& q, const PagedKvCache&
     mask.causal = true;
     mask.q_positions = torch::tensor(seen, torch::kLong).to(q.device()) - 1;  // the last key a row sees
     mask.k_positions = torch::arange(kv_len, longs);
-    const AttnResult r = attention_block_forward(q.narrow(0, first, q_len).permute({1, 0, 2}).unsqueeze(0),
-                                                 gather(cache.key_pages()), gather(cache.value_pages()), mask, scale);
+    // Lesson 03's kernel takes q in the pool's dtype; out returns to q's in the copy below.
+    const torch::Tensor rows = q.narrow(0, first, q_len).to(cache.key_pages().scalar_type());
+    const AttnResult r = attention_block_forward(rows.permute({1, 0, 2}).unsqueeze(0), gather(cache.key_pages()),
+                                                 gather(cache.value_pages()), mask, scale);
     result.out.narrow(0, first, q_len).copy_(r.out[0].permute({1, 0, 2}));
     result.lse.narrow(0, first, q_len).copy_(r.lse[0].t());
   }
