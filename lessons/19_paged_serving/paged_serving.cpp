@@ -14,6 +14,7 @@
 #include "common/error.h"
 #include "common/tensor_checks.h"
 #include "kernels/cpu_decode.h"
+#include "ulysses.h"
 
 namespace cp {
 
@@ -403,7 +404,7 @@ void check_dcp_inputs(Comm& comm, const torch::Tensor& q, const torch::Tensor& k
     }
     CP_CHECK(interleave >= 1, "dcp_decode_step: interleave must be at least 1, got ", interleave);
   });
-  const int64_t defined = q.defined() && q.dim() == 4;
+  const bool defined = q.defined() && q.dim() == 4;
   std::vector<int64_t> fields{defined ? q.size(0) : -1, defined ? q.size(1) : -1, defined ? q.size(2) : -1,
                               defined ? q.size(3) : -1, q.defined() ? static_cast<int64_t>(q.scalar_type()) : -1,
                               cache.heads_kv(), cache.value_dim(), interleave};

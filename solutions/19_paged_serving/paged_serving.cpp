@@ -12,6 +12,7 @@
 #include "common/error.h"
 #include "common/tensor_checks.h"
 #include "kernels/cpu_decode.h"
+#include "ulysses.h"
 
 namespace cp {
 
@@ -431,7 +432,7 @@ void check_dcp_inputs(Comm& comm, const torch::Tensor& q, const torch::Tensor& k
     }
     CP_CHECK(interleave >= 1, "dcp_decode_step: interleave must be at least 1, got ", interleave);
   });
-  const int64_t defined = q.defined() && q.dim() == 4;
+  const bool defined = q.defined() && q.dim() == 4;
   std::vector<int64_t> fields{defined ? q.size(0) : -1, defined ? q.size(1) : -1, defined ? q.size(2) : -1,
                               defined ? q.size(3) : -1, q.defined() ? static_cast<int64_t>(q.scalar_type()) : -1,
                               cache.heads_kv(), cache.value_dim(), interleave};
@@ -519,10 +520,10 @@ DcpResult dcp_decode_step(Comm& comm, const torch::Tensor& q, const torch::Tenso
   if (exchange == DcpExchange::AllToAll) {
     const torch::Tensor by_owner = packed.view({batch, tokens, world, own_heads, value_dim + 1}).permute({2, 0, 1, 3, 4});
     parts = comm.all_to_all(by_owner.contiguous());
-    result.bytes_sent += (world - 1) * (packed.numel() / world) * 4;
+    result.bytes_sent += all_to_all_bytes(packed, world);  // lesson 10's count
   } else {
     parts = comm.all_gather(packed.unsqueeze(0)).narrow(3, rank * own_heads, own_heads);
-    result.bytes_sent += (world - 1) * packed.numel() * 4;
+    result.bytes_sent += (world - 1) * packed.numel() * packed.element_size();
   }
   torch::Tensor out = parts[0].narrow(-1, 0, value_dim).contiguous(), lse = parts[0].select(-1, value_dim).contiguous();
   for (int source = 1; source < world; ++source)  // rank order, whichever message came first
